@@ -1,0 +1,78 @@
+"""gen-interface: the generation interface an RL training loop pins.
+
+Importing this package imports torch and nothing heavier: no ray, vllm or transformers.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.config import (
+    GENERATION_CONFIG_DEFAULTS,
+    TokenizerLike,
+    configure_generation_config,
+    sampling_settings_of,
+    validate_generation_config,
+)
+from gen_interface.errors import (
+    BackendUnavailableError,
+    GenerationConfigError,
+    GenerationError,
+    GenerationInputError,
+    WeightUpdateError,
+)
+from gen_interface.inputs import PromptBatch, normalize_generation_input
+from gen_interface.interface import BackendCapabilities, GenerationInterface, WeightTransport
+from gen_interface.outputs import RowResult, build_generation_output
+from gen_interface.registry import (
+    ENTRY_POINT_GROUP,
+    available_backends,
+    create_generation_backend,
+    load_backend,
+)
+from gen_interface.specs import (
+    ColocatedConfig,
+    DType,
+    GenerationConfig,
+    GenerationDatumSpec,
+    GenerationOutputSpec,
+    LogprobsMode,
+    ScoreSpec,
+)
+
+try:
+    __version__ = version("gen-interface")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "GENERATION_CONFIG_DEFAULTS",
+    "BackendCapabilities",
+    "BackendUnavailableError",
+    "BatchedDataDict",
+    "ColocatedConfig",
+    "DType",
+    "GenerationConfig",
+    "GenerationConfigError",
+    "GenerationDatumSpec",
+    "GenerationError",
+    "GenerationInputError",
+    "GenerationInterface",
+    "GenerationOutputSpec",
+    "LogprobsMode",
+    "PromptBatch",
+    "RowResult",
+    "ScoreSpec",
+    "TokenizerLike",
+    "WeightTransport",
+    "WeightUpdateError",
+    "__version__",
+    "available_backends",
+    "build_generation_output",
+    "configure_generation_config",
+    "create_generation_backend",
+    "load_backend",
+    "normalize_generation_input",
+    "sampling_settings_of",
+    "validate_generation_config",
+]

@@ -1,0 +1,166 @@
+"""Config defaults and validation of ``GenerationConfig``."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar, cast
+
+from gen_interface.errors import GenerationConfigError
+from gen_interface.specs import GenerationConfig
+
+__all__ = [
+    "GENERATION_CONFIG_DEFAULTS",
+    "TokenizerLike",
+    "configure_generation_config",
+    "sampling_settings_of",
+    "validate_generation_config",
+]
+
+ConfigT = TypeVar("ConfigT", bound=Mapping[str, Any])
+
+#: Values ``configure_generation_config`` fills in for keys the caller left out.
+#: ``pad_token_id`` and ``stop_token_ids`` come from the tokenizer instead.
+GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 64,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": None,
+    "stop_strings": None,
+    "logprobs_mode": "raw",
+    "seed": None,
+    "dtype": "auto",
+    "colocated": {"enabled": False},
+}
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOGPROBS_MODES = ("raw", "processed")
+
+
+class TokenizerLike(Protocol):
+    """What ``configure_generation_config`` reads from a tokenizer (any HF tokenizer fits)."""
+
+    pad_token_id: int | None
+    eos_token_id: int | None
+
+
+def configure_generation_config(config: ConfigT, tokenizer: TokenizerLike | None) -> ConfigT:
+    """Return a new, complete, validated copy of ``config``; the argument is not changed.
+
+    Fills defaults (``GENERATION_CONFIG_DEFAULTS``), ``pad_token_id`` from the tokenizer (its pad
+    token, else its eos token) and ``stop_token_ids`` = ``[eos_token_id]`` when None or absent.
+    Keys the caller set are kept; backend-specific keys pass through untouched.
+
+    Args:
+        config: a ``GenerationConfig`` or a backend's extension of it.
+        tokenizer: anything with ``pad_token_id`` and ``eos_token_id``; None when the config
+            already names ``pad_token_id`` and ``stop_token_ids``.
+
+    Raises:
+        GenerationConfigError: a field is missing or out of range, naming it and its range.
+    """
+    out: dict[str, Any] = copy.deepcopy(dict(config))
+    for key, value in GENERATION_CONFIG_DEFAULTS.items():
+        out.setdefault(key, copy.deepcopy(value))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if out.get("pad_token_id") is None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+        out["pad_token_id"] = pad if pad is not None else eos
+    if out.get("stop_token_ids") is None:
+        out["stop_token_ids"] = [eos] if eos is not None else []
+    validate_generation_config(out)
+    return cast(ConfigT, out)
+
+
+def validate_generation_config(config: Mapping[str, Any]) -> None:
+    """Check that ``config`` is complete and every field is in range.
+
+    Backends call this in their constructor so a config that skipped
+    ``configure_generation_config`` fails there, not in the middle of a generate call.
+
+    Raises:
+        GenerationConfigError: naming the first field that is missing or out of range.
+    """
+    for key in ("backend", "model_name"):
+        value = config.get(key)
+        if not isinstance(value, str) or not value:
+            raise GenerationConfigError(f"{key} must be a non-empty string, got {value!r}")
+    _int_field(config, "max_new_tokens", minimum=1)
+    temperature = _number_field(config, "temperature")
+    if temperature < 0:
+        raise GenerationConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    top_p = _number_field(config, "top_p")
+    if not 0 < top_p <= 1:
+        raise GenerationConfigError(f"top_p must be in (0, 1], got {top_p}")
+    top_k = config.get("top_k")
+    if top_k is not None and top_k != -1:
+        _int_field(config, "top_k", minimum=1, hint="None or -1 = off")
+    pad = config.get("pad_token_id")
+    if pad is None:
+        raise GenerationConfigError(
+            "pad_token_id is missing: call configure_generation_config(config, tokenizer) or set it"
+        )
+    _int_field(config, "pad_token_id", minimum=0)
+    _id_list_field(config, "stop_token_ids")
+    stop_strings = config.get("stop_strings")
+    if stop_strings is not None and (
+        not isinstance(stop_strings, list)
+        or not all(isinstance(s, str) and s for s in stop_strings)
+    ):
+        raise GenerationConfigError(
+            f"stop_strings must be None or a list of non-empty strings, got {stop_strings!r}"
+        )
+    if config.get("logprobs_mode", "raw") not in _LOGPROBS_MODES:
+        raise GenerationConfigError(
+            f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {config.get('logprobs_mode')!r}"
+        )
+    seed = config.get("seed")
+    if seed is not None:
+        _int_field(config, "seed", minimum=0, hint="None = fresh randomness")
+    if config.get("dtype", "auto") not in _DTYPES:
+        raise GenerationConfigError(f"dtype must be one of {_DTYPES}, got {config.get('dtype')!r}")
+    colocated = config.get("colocated", {"enabled": False})
+    if not isinstance(colocated, Mapping) or not isinstance(colocated.get("enabled"), bool):
+        raise GenerationConfigError(
+            f"colocated must be a dict with a bool 'enabled', got {colocated!r}"
+        )
+
+
+def sampling_settings_of(config: GenerationConfig) -> tuple[float, int | None, float]:
+    """``(temperature, top_k or None, top_p)`` with "off" values normalised (top_k -1 -> None)."""
+    top_k = config.get("top_k")
+    return (
+        float(config.get("temperature", 1.0)),
+        None if top_k in (None, -1) else int(cast(int, top_k)),
+        float(config.get("top_p", 1.0)),
+    )
+
+
+def _int_field(config: Mapping[str, Any], key: str, *, minimum: int, hint: str = "") -> int:
+    value = config.get(key)
+    extra = f" ({hint})" if hint else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GenerationConfigError(f"{key} must be an integer >= {minimum}{extra}, got {value!r}")
+    if value < minimum:
+        raise GenerationConfigError(f"{key} must be >= {minimum}{extra}, got {value}")
+    return value
+
+
+def _number_field(config: Mapping[str, Any], key: str) -> float:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise GenerationConfigError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _id_list_field(config: Mapping[str, Any], key: str) -> None:
+    value = config.get(key)
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise GenerationConfigError(
+            f"{key} must be None or a list of token ids (integers >= 0), got {value!r}"
+        )

@@ -1,0 +1,43 @@
+"""The error hierarchy every backend raises.
+
+Training code catches these types, never a backend's own: a backend translates its library's
+failures (Ray, vLLM, transformers) into one of them, with a message that says what went wrong and
+what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "GenerationConfigError",
+    "GenerationError",
+    "GenerationInputError",
+    "WeightUpdateError",
+]
+
+
+class GenerationError(Exception):
+    """Base class of every error raised through the generation interface.
+
+    Raised as is for failures during generation that are not the caller's fault: a worker died,
+    an engine stopped answering, generate was called after ``finish_generation``.
+    """
+
+
+class GenerationConfigError(GenerationError, ValueError):
+    """A config field is missing or out of range. The message names the field and the range."""
+
+
+class GenerationInputError(GenerationError, ValueError):
+    """A batch given to ``generate`` is malformed. The message names the field, row and value.
+
+    Raised before any worker is touched: the backend stays usable.
+    """
+
+
+class WeightUpdateError(GenerationError):
+    """A weight update was refused or did not take. Refused updates leave the old weights."""
+
+
+class BackendUnavailableError(GenerationError):
+    """A backend is not installed, not registered, or cannot run on this machine."""

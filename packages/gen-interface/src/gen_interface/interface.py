@@ -1,0 +1,183 @@
+"""``GenerationInterface``: the abstract backend a training loop talks to, and its capabilities."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.specs import (
+    GenerationConfig,
+    GenerationDatumSpec,
+    GenerationOutputSpec,
+    ScoreSpec,
+)
+
+__all__ = ["BackendCapabilities", "GenerationInterface", "WeightTransport"]
+
+WeightTransport = Literal["shm", "cuda_ipc", "state_dict"]
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do beyond the three abstract methods.
+
+    Attributes:
+        sleep: ``finish_generation`` frees device memory by sleeping (vLLM sleep mode) rather than
+            only dropping caches. False on CPU, where vLLM has no sleep mode.
+        async_generation: ``generate_async`` yields rows as each finishes (True), or only after
+            the whole batch is done (False, the default implementation).
+        weight_transports: how ``update_weights_from_ipc_handles`` can receive weights:
+            ``"shm"`` (CPU shared memory), ``"cuda_ipc"`` (CUDA IPC handles); ``"state_dict"``
+            when the backend also takes an in-process state dict.
+        devices: the device types the backend runs on now, e.g. ``("cpu",)`` or ``("cuda",)``.
+        score: ``score`` computes teacher-forced logprobs of given sequences.
+        stop_strings: stop strings are honoured (needs a tokenizer); False means they are refused.
+        notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
+    """
+
+    sleep: bool = False
+    async_generation: bool = False
+    weight_transports: frozenset[WeightTransport] = frozenset()
+    devices: tuple[str, ...] = ("cpu",)
+    score: bool = False
+    stop_strings: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+class GenerationInterface(ABC):
+    """A generation backend: token ids in, token ids and log-probabilities out.
+
+    Call order in a training loop: ``prepare_for_generation()`` → ``generate(...)`` (any number
+    of times) → ``finish_generation()`` → training step → ``update_weights_from_ipc_handles(...)``
+    → ``prepare_for_generation()`` → ... → ``shutdown()``.
+
+    The three abstract methods are the seed interface. Every other method is an optional
+    capability with a documented default, so every backend answers it; a capability the backend
+    lacks raises ``NotImplementedError`` naming it. ``capabilities`` says which it has.
+    """
+
+    config: GenerationConfig
+
+    @classmethod
+    def create(cls, config: GenerationConfig, **kwargs: Any) -> GenerationInterface:
+        """Build the backend from a config; ``create_generation_backend`` calls this.
+
+        The default is ``cls(config, **kwargs)``. A backend whose constructor needs more (a Ray
+        cluster, say) overrides it to build the rest from the config and ``kwargs``.
+        """
+        return cls(config, **kwargs)  # type: ignore[call-arg]
+
+    @abstractmethod
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate a continuation for every row of ``data``.
+
+        Args:
+            data: a ``GenerationDatumSpec`` batch: ``input_ids`` int64 ``[B, S]`` with
+                ``attention_mask`` ``[B, S]`` or ``input_lengths`` ``[B]``.
+            greedy: take the argmax at every step, whatever the sampling settings.
+
+        Returns:
+            A ``GenerationOutputSpec`` batch with rows in input order.
+
+        Raises:
+            GenerationInputError: the batch is malformed; nothing ran and the backend is usable.
+            GenerationError: generation failed (a worker died, the backend is finished, ...).
+        """
+
+    @abstractmethod
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
+        """Make the backend ready to generate (wake weights, then caches). Idempotent."""
+
+    @abstractmethod
+    def finish_generation(self, *args: Any, **kwargs: Any) -> None:
+        """Release what generation holds until the next ``prepare_for_generation``.
+
+        Afterwards ``generate`` raises ``GenerationError`` until ``prepare_for_generation`` runs;
+        finish then prepare leaves weights and outputs unchanged.
+        """
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """What this backend can do. Default: nothing beyond the abstract methods."""
+        return BackendCapabilities()
+
+    def shutdown(self) -> None:
+        """Free every resource (processes, devices, shared memory). Idempotent.
+
+        The default does nothing; backends that own resources override it.
+        """
+        return None
+
+    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
+        """Load new weights shared by ``gen_interface.weights.share_weights``.
+
+        Names use the model's checkpoint (Hugging Face) names. Names, shapes and dtypes are
+        checked before anything is written; a refused update leaves the old weights in force.
+        The shared segments are released once every worker has read them.
+
+        Raises:
+            WeightUpdateError: the update does not match the model or did not take.
+            NotImplementedError: the backend cannot update weights (the default).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support update_weights_from_ipc_handles"
+        )
+
+    def prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
+    ) -> None:
+        """Tell the backend which tensors future updates will carry: ``{name: (shape, dtype)}``.
+
+        Backends check the info against their model, so a trainer learns at set-up, not at the
+        first update, that its names or shapes do not match.
+
+        Raises:
+            WeightUpdateError: the info names a tensor the model lacks or with another shape.
+            NotImplementedError: the backend cannot update weights (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support prepare_refit_info")
+
+    def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
+        """Teacher-forced log-probabilities of complete sequences.
+
+        Args:
+            data: a ``ScoreSpec`` batch: ``input_ids`` int64 ``[B, L]`` (prompt then response,
+                right-padded), ``prompt_lengths`` and ``unpadded_sequence_lengths`` int64 ``[B]``.
+                A ``generate`` output with ``prompt_lengths`` added fits (``output_ids`` is read
+                when ``input_ids`` is absent).
+
+        Returns:
+            float32 ``[B, L]`` in the output layout's convention: position ``p_i + j`` holds the
+            raw log-probability of response token j given everything before it; every other
+            position (prompt, padding) is 0.0.
+
+        Raises:
+            GenerationInputError: the sequences are malformed.
+            NotImplementedError: the backend cannot score (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support score")
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row index, one-row output)`` as rows finish.
+
+        The default runs ``generate`` in a thread and then yields every row in input order;
+        backends with ``capabilities.async_generation`` yield each row as soon as it finishes.
+        Each one-row output is trimmed to its own ``unpadded_sequence_lengths``.
+        """
+        output = await asyncio.to_thread(self.generate, data, greedy)
+        for i in range(output.size):
+            row = output.slice(i, i + 1)
+            width = int(row["unpadded_sequence_lengths"][0])
+            row["output_ids"] = row["output_ids"][:, :width]
+            row["logprobs"] = row["logprobs"][:, :width]
+            yield i, row

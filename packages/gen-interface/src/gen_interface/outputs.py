@@ -1,0 +1,79 @@
+"""Output assembly: per-row generated tokens become the CONTRACT's ``GenerationOutputSpec`` layout.
+
+Backends produce, for each row, its generated token ids, their log-probabilities and whether it
+stopped for length; ``build_generation_output`` lays them out, so every backend's output has the
+same shapes, dtypes and padding by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.inputs import PromptBatch
+from gen_interface.specs import GenerationOutputSpec
+
+__all__ = ["RowResult", "build_generation_output"]
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What a backend generated for one row.
+
+    Attributes:
+        token_ids: the g generated token ids, stop token included when one ended the row.
+        logprobs: g log-probabilities, one per generated token, in the config's logprobs mode.
+        truncated: True when the row stopped for length (``max_new_tokens`` or the context limit).
+    """
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    truncated: bool
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"a row has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+def build_generation_output(
+    prompts: PromptBatch, rows: Sequence[RowResult], pad_token_id: int
+) -> BatchedDataDict[GenerationOutputSpec]:
+    """Lay out ``rows`` (one per prompt, in input order) as a ``GenerationOutputSpec`` batch.
+
+    Returns:
+        ``output_ids`` int64 ``[B, L]``, ``logprobs`` float32 ``[B, L]``, ``generation_lengths``
+        and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` bool ``[B]``, where
+        ``L = max_i(p_i + g_i)``. An empty batch gives every field with ``B = 0`` (and ``L = 0``).
+    """
+    if len(rows) != prompts.size:
+        raise ValueError(f"{len(rows)} results for {prompts.size} prompts")
+    prompt_lengths = prompts.input_lengths
+    generation_lengths = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.int64)
+    total = prompt_lengths + generation_lengths
+    width = int(total.max()) if rows else 0
+    output_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    prompt_width = prompts.input_ids.shape[1]
+    if rows:
+        output_ids[:, :prompt_width] = torch.where(
+            torch.arange(prompt_width)[None, :] < prompt_lengths[:, None],
+            prompts.input_ids,
+            pad_token_id,
+        )
+    for i, row in enumerate(rows):
+        start, count = int(prompt_lengths[i]), len(row.token_ids)
+        if count:
+            output_ids[i, start : start + count] = torch.as_tensor(row.token_ids, dtype=torch.int64)
+            logprobs[i, start : start + count] = torch.as_tensor(row.logprobs, dtype=torch.float32)
+    return BatchedDataDict(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=generation_lengths,
+        unpadded_sequence_lengths=total,
+        truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+    )

@@ -1,0 +1,149 @@
+"""The sampling distribution every backend samples from, and the per-row seeds.
+
+``processed_log_probs`` is the one definition of the "processed" distribution in CONTRACT.md:
+temperature, then top-k, then top-p over the top-k-renormalised distribution, the order vLLM uses.
+Backends that sample themselves call it; parity checks compare backends against it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+from gen_interface.inputs import PromptBatch
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "derive_row_seeds",
+    "is_greedy",
+    "processed_log_probs",
+    "row_generators",
+    "row_seeds_for",
+    "select_next_tokens",
+]
+
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them overflows.
+GREEDY_TEMPERATURE = 1e-5
+
+_MASK64 = (1 << 64) - 1
+_SEED_BITS = 31  # seeds stay positive int32 values that every RNG API accepts
+
+
+def is_greedy(temperature: float, greedy: bool) -> bool:
+    """True when a generate call takes the argmax: ``greedy=True`` or a temperature of ~0."""
+    return greedy or temperature < GREEDY_TEMPERATURE
+
+
+def derive_row_seeds(base_seed: int | None, count: int) -> list[int]:
+    """Per-row sampling seeds for rows ``0..count-1`` of one call.
+
+    Row i's seed depends only on ``base_seed`` and ``i``: never on the other rows, the batch size
+    or which worker runs the row. ``base_seed=None`` draws a fresh base, so calls differ.
+    """
+    base = secrets.randbits(63) if base_seed is None else base_seed
+    return [_splitmix64(base * 0x9E3779B97F4A7C15 + i) >> (64 - _SEED_BITS) for i in range(count)]
+
+
+def row_seeds_for(prompts: PromptBatch, base_seed: int | None) -> list[int]:
+    """The seed of every row: the caller's ``sample_seeds`` when given, else derived."""
+    if prompts.sample_seeds is not None:
+        return [int(s) & ((1 << _SEED_BITS) - 1) for s in prompts.sample_seeds.tolist()]
+    return derive_row_seeds(base_seed, prompts.size)
+
+
+def processed_log_probs(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | Sequence[int | None] | None = None,
+    top_p: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Log-probabilities of the distribution actually sampled from.
+
+    Args:
+        logits: ``[N, V]`` raw logits (any float dtype; computed in float32).
+        temperature: > 0, a scalar or ``[N]``.
+        top_k: None (off), an int >= 1, or one of those per row.
+        top_p: in (0, 1], a scalar or ``[N]``; 1.0 is off.
+
+    Returns:
+        float32 ``[N, V]``: ``log_softmax`` of the tempered logits restricted to the tokens that
+        survive top-k (ties with the k-th value survive) and then top-p (the smallest set of
+        highest-probability tokens whose top-k-renormalised mass reaches ``top_p``; at least
+        one). Filtered tokens hold ``-inf``.
+    """
+    scaled = logits.float() / torch.as_tensor(temperature, dtype=torch.float32).reshape(-1, 1)
+    n, vocab = scaled.shape
+    sorted_logits, order = scaled.sort(dim=-1, descending=False)
+    ks = _per_row_top_k(top_k, n)
+    if any(k is not None for k in ks):
+        k_tensor = torch.tensor([vocab if k is None else min(k, vocab) for k in ks])
+        kth = sorted_logits.gather(1, (vocab - k_tensor).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    p = torch.as_tensor(top_p, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
+    if bool((p < 1).any()):
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
+    return filtered.log_softmax(dim=-1)
+
+
+def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
+    """One CPU generator per row, seeded with that row's seed."""
+    return [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+
+
+def select_next_tokens(
+    logits: torch.Tensor,
+    *,
+    greedy: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    processed: bool,
+    generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick each row's next token and its log-probability: the reference decoding step.
+
+    Args:
+        logits: ``[A, V]`` next-token logits of the A rows still running.
+        greedy: argmax (first index on exact ties); reported logprobs are then raw.
+        temperature, top_k, top_p: the sampling settings (ignored when greedy).
+        processed: report processed rather than raw log-probabilities when sampling.
+        generators: one per row; row i draws only from ``generators[i]``, so its sample does
+            not depend on the other rows.
+
+    Returns:
+        ``(tokens int64 [A], logprobs float32 [A])``.
+    """
+    raw = logits.float().log_softmax(dim=-1)
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+        return tokens, raw.gather(1, tokens[:, None]).squeeze(1)
+    filtered = processed_log_probs(logits, temperature, top_k, top_p)
+    probs = filtered.exp()
+    tokens = (
+        torch.stack(
+            [torch.multinomial(probs[i], 1, generator=gen)[0] for i, gen in enumerate(generators)]
+        )
+        if len(generators)
+        else torch.zeros(0, dtype=torch.int64)
+    )
+    chosen = (filtered if processed else raw).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, chosen
+
+
+def _per_row_top_k(top_k: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    if top_k is None or isinstance(top_k, int):
+        return [None if top_k in (None, -1) else top_k] * n
+    return [None if k in (None, -1) else k for k in top_k]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

@@ -1,0 +1,96 @@
+"""The TypedDicts that cross the interface: the config, the input batch and the output batch.
+
+Shapes use ``B`` for the batch size, ``S`` for the padded prompt length and ``L`` for the padded
+output length. See ``CONTRACT.md`` for the full semantics; the comments here are the summary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ColocatedConfig",
+    "DType",
+    "GenerationConfig",
+    "GenerationDatumSpec",
+    "GenerationOutputSpec",
+    "LogprobsMode",
+    "ScoreSpec",
+]
+
+LogprobsMode = Literal["raw", "processed"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class ColocatedConfig(TypedDict, total=False):
+    """Whether generation shares its devices with training.
+
+    When ``enabled``, ``finish_generation`` gives back as much device memory as the backend can
+    (vLLM sleep, weights moved off the GPU) because a trainer is about to use it.
+    """
+
+    enabled: bool
+
+
+class GenerationConfig(TypedDict, total=False):
+    """Configuration shared by every backend. Backends extend it with their own keys.
+
+    ``backend`` and ``model_name`` are required; ``configure_generation_config`` fills the rest
+    with the defaults documented here and validates every field.
+    """
+
+    backend: str  # registry name of the backend: "vllm", "hf", ...
+    model_name: str  # local Hugging Face model directory or hub name
+    max_new_tokens: int  # >= 1; default 64
+    temperature: float  # >= 0; 0 means greedy; default 1.0
+    top_p: float  # in (0, 1]; default 1.0 (off)
+    top_k: int | None  # None or -1 = off, else >= 1; default None
+    stop_token_ids: list[int] | None  # a row stops after emitting one (kept); default [eos]
+    stop_strings: list[str] | None  # a row stops after completing one (kept); needs a tokenizer
+    pad_token_id: int  # fills output_ids past each row's end; default tokenizer's pad (or eos)
+    logprobs_mode: LogprobsMode  # "raw" (default) or "processed"
+    seed: int | None  # base of the per-row sampling seeds; None = fresh randomness each call
+    dtype: DType  # model dtype; default "auto" (the checkpoint's)
+    colocated: ColocatedConfig  # default {"enabled": False}
+
+
+class GenerationDatumSpec(TypedDict):
+    """An input batch.
+
+    Each row's real tokens form one contiguous run; left, right and mixed padding all give the
+    same result. Exactly one of ``attention_mask`` and ``input_lengths`` is needed.
+    """
+
+    input_ids: torch.Tensor  # int64 [B, S]
+    attention_mask: NotRequired[torch.Tensor]  # [B, S], 1 on real tokens
+    input_lengths: NotRequired[torch.Tensor]  # int64 [B]; implies right padding
+    stop_strings: NotRequired[list[list[str] | None]]  # per row, added to the config's
+    sample_seeds: NotRequired[torch.Tensor]  # int64 [B]; per-row seeds, override the config seed
+
+
+class GenerationOutputSpec(TypedDict):
+    """An output batch, rows in input order.
+
+    Row i holds its unpadded prompt (p_i tokens), then its g_i generated tokens, then
+    ``pad_token_id``. ``L = max_i(p_i + g_i)``.
+    """
+
+    output_ids: torch.Tensor  # int64 [B, L]
+    generation_lengths: torch.Tensor  # int64 [B]: g_i
+    unpadded_sequence_lengths: torch.Tensor  # int64 [B]: p_i + g_i
+    logprobs: torch.Tensor  # float32 [B, L]: position p_i + j holds generated token j's; else 0.0
+    truncated: torch.Tensor  # bool [B]: stopped for length, not for a stop token or string
+
+
+class ScoreSpec(TypedDict):
+    """Complete sequences to score with teacher forcing (``GenerationInterface.score``).
+
+    Row i holds its p_i prompt tokens then its g_i response tokens from column 0, then padding.
+    """
+
+    input_ids: torch.Tensor  # int64 [B, L]
+    prompt_lengths: torch.Tensor  # int64 [B]: p_i (>= 1)
+    unpadded_sequence_lengths: torch.Tensor  # int64 [B]: p_i + g_i

@@ -1,0 +1,139 @@
+"""The plain, picklable description of shared weights that crosses process boundaries.
+
+Handles hold only str, int, bytes, lists and dicts, so they pass through Ray, pickle and msgspec
+alike; tensors are rebuilt on the consumer side from the names, dtypes, shapes and offsets here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
+
+import torch
+
+from gen_interface.errors import WeightUpdateError
+
+__all__ = [
+    "HANDLES_FORMAT",
+    "TensorSlot",
+    "WeightBucket",
+    "WeightHandles",
+    "describe_weight_handles",
+    "dtype_from_name",
+    "dtype_name",
+]
+
+HANDLES_FORMAT = 1
+
+BucketTransport = Literal["shm", "cuda_ipc"]
+
+
+class TensorSlot(TypedDict):
+    """One tensor inside a bucket: ``nbytes`` bytes at ``offset``, viewed as ``dtype[shape]``."""
+
+    name: str  # checkpoint (Hugging Face) name, e.g. "model.layers.0.mlp.up_proj.weight"
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: list[int]
+    offset: int  # bytes from the start of the bucket, 64-byte aligned
+    nbytes: int
+
+
+class WeightBucket(TypedDict):
+    """One contiguous block of bytes holding several tensors.
+
+    ``shm`` buckets name a shared-memory file on ``WeightHandles.host``; ``cuda_ipc`` buckets
+    carry the pickled arguments of torch's CUDA IPC rebuild and the UUID of their GPU.
+    """
+
+    transport: BucketTransport
+    location: str  # shm: path of the segment; cuda_ipc: "" (see ipc_args)
+    ipc_args: bytes  # cuda_ipc: pickled rebuild arguments; shm: b""
+    device_uuid: str  # cuda_ipc: the GPU's UUID; shm: ""
+    nbytes: int
+    checksum: int  # weights_checksum of the bucket's bytes, see checksum.py
+    tensors: list[TensorSlot]
+
+
+class WeightHandles(TypedDict):
+    """Everything a consumer needs to read the weights a producer shared."""
+
+    format: int  # HANDLES_FORMAT
+    host: str  # host name of the producer (shm segments are only reachable there)
+    buckets: list[WeightBucket]
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``.
+
+    Raises:
+        WeightUpdateError: the name is not a dtype weights can be shared in.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise WeightUpdateError(
+            f"weight handles use dtype {name!r}, which is not one of {sorted(_DTYPES)}"
+        ) from None
+
+
+def describe_weight_handles(
+    handles: Mapping[str, Any],
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``{name: (shape, dtype)}`` of every tensor the handles carry, without reading any bytes.
+
+    Raises:
+        WeightUpdateError: the handles are malformed, of another format, or name a tensor twice.
+    """
+    if not isinstance(handles, Mapping) or handles.get("format") != HANDLES_FORMAT:
+        got = handles.get("format") if isinstance(handles, Mapping) else type(handles).__name__
+        raise WeightUpdateError(
+            f"weight handles must come from gen_interface.weights.share_weights "
+            f"(format {HANDLES_FORMAT}), got format {got!r}"
+        )
+    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    try:
+        for bucket in handles["buckets"]:
+            for slot in bucket["tensors"]:
+                name = slot["name"]
+                if name in out:
+                    raise WeightUpdateError(f"weight handles carry {name!r} twice")
+                dtype = dtype_from_name(slot["dtype"])
+                shape = torch.Size(slot["shape"])
+                if slot["nbytes"] != shape.numel() * dtype.itemsize:
+                    raise WeightUpdateError(
+                        f"weight handles give {name!r} {slot['nbytes']} bytes, but "
+                        f"{dtype_name(dtype)}{list(shape)} needs {shape.numel() * dtype.itemsize}"
+                    )
+                if slot["offset"] < 0 or slot["offset"] + slot["nbytes"] > bucket["nbytes"]:
+                    raise WeightUpdateError(f"weight handles place {name!r} outside its bucket")
+                out[name] = (shape, dtype)
+    except (KeyError, TypeError) as exc:
+        raise WeightUpdateError(
+            f"weight handles are malformed: missing or bad field {exc}"
+        ) from exc
+    return out

@@ -1,0 +1,55 @@
+import pytest
+from hypothesis import given
+
+from gen_interface import (
+    GenerationConfigError,
+    configure_generation_config,
+    validate_generation_config,
+)
+from gen_testkit.strategies import generation_configs, invalid_config_fields
+
+
+class Tok:
+    def __init__(self, pad, eos):
+        self.pad_token_id, self.eos_token_id = pad, eos
+
+
+BASE = {"backend": "hf", "model_name": "some/model"}
+
+
+@given(bad=invalid_config_fields())
+def test_every_out_of_range_field_is_refused_with_its_name(bad):
+    field, value = bad
+    config = configure_generation_config(BASE, Tok(0, 2))
+    config[field] = value
+    with pytest.raises(GenerationConfigError) as refused:
+        validate_generation_config(config)
+    assert field in str(refused.value)
+
+
+@given(config=generation_configs(backend="hf", model_name="m", vocab_size=64))
+def test_valid_configs_pass(config):
+    validate_generation_config(config)
+    configured = configure_generation_config(config, None)
+    assert configured == dict(config, stop_token_ids=config["stop_token_ids"] or [])
+
+
+def test_configure_fills_defaults_without_mutating_its_argument():
+    original = dict(BASE, temperature=0.5, vllm_cfg={"tensor_parallel_size": 1})
+    snapshot = {k: (dict(v) if isinstance(v, dict) else v) for k, v in original.items()}
+    config = configure_generation_config(original, Tok(None, 2))
+    assert original == snapshot
+    assert config["pad_token_id"] == 2  # no pad token: falls back to eos
+    assert config["stop_token_ids"] == [2]
+    assert config["temperature"] == 0.5 and config["top_p"] == 1.0 and config["top_k"] is None
+    assert config["logprobs_mode"] == "raw" and config["colocated"] == {"enabled": False}
+    assert config["vllm_cfg"] == {"tensor_parallel_size": 1}
+    config["colocated"]["enabled"] = True
+    assert configure_generation_config(original, Tok(0, 2))["colocated"] == {"enabled": False}
+
+
+def test_configure_keeps_callers_values_and_needs_a_pad_id():
+    config = configure_generation_config(dict(BASE, stop_token_ids=[], pad_token_id=5), Tok(0, 2))
+    assert config["stop_token_ids"] == [] and config["pad_token_id"] == 5
+    with pytest.raises(GenerationConfigError, match="pad_token_id"):
+        configure_generation_config(BASE, Tok(None, None))

@@ -1,0 +1,141 @@
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from gen_interface.inputs import normalize_generation_input
+from gen_interface.sampling import (
+    derive_row_seeds,
+    processed_log_probs,
+    row_generators,
+    row_seeds_for,
+    select_next_tokens,
+)
+from gen_testkit.strategies import pad_prompts
+
+
+def _by_hand(
+    logits: list[float], temperature: float, top_k: int | None, top_p: float
+) -> tuple[list[float], bool]:
+    """The processed distribution computed one token at a time in plain Python (float64).
+
+    Returns the log-probabilities and whether a token sat within 1e-9 of the top-p boundary
+    (where a float32 computation may legitimately disagree).
+    """
+    scaled = [x / temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    keep = set(order)
+    if top_k is not None:
+        kth = scaled[order[min(top_k, len(order)) - 1]]
+        keep = {i for i in keep if scaled[i] >= kth}
+    z = sum(math.exp(scaled[i]) for i in keep)
+    near_boundary = False
+    if top_p < 1:
+        cumulative = 0.0
+        for i in sorted(keep, key=lambda i: scaled[i])[:-1]:  # ascending; the top one stays
+            cumulative += math.exp(scaled[i]) / z
+            near_boundary |= abs(cumulative - (1 - top_p)) < 1e-5
+            if cumulative <= 1 - top_p:
+                keep.discard(i)
+    z = sum(math.exp(scaled[i]) for i in keep)
+    logprobs = [scaled[i] - math.log(z) if i in keep else -math.inf for i in range(len(scaled))]
+    return logprobs, near_boundary
+
+
+@given(
+    # distinct values: with exact ties, which tied token survives a cut is arbitrary
+    logits=st.lists(st.integers(-8000, 8000), min_size=2, max_size=24, unique=True).map(
+        lambda xs: [x / 1000 for x in xs]
+    ),
+    temperature=st.floats(0.1, 2.0),
+    top_k=st.one_of(st.none(), st.integers(1, 30)),
+    top_p=st.floats(0.05, 1.0),
+)
+def test_processed_distribution_matches_a_hand_computation(logits, temperature, top_k, top_p):
+    want, near_boundary = _by_hand(logits, temperature, top_k, top_p)
+    assume(not near_boundary)
+    got = processed_log_probs(torch.tensor([logits]), temperature, top_k, top_p)[0].tolist()
+    assert [g == -math.inf for g in got] == [w == -math.inf for w in want]
+    for g, w in zip(got, want):
+        assert w == -math.inf or abs(g - w) < 1e-5  # float32 against float64
+
+
+def test_processed_distribution_without_filters_is_tempered_softmax():
+    logits = torch.randn(3, 50)
+    got = processed_log_probs(logits, 0.7)
+    assert torch.allclose(got, (logits / 0.7).log_softmax(-1), atol=1e-6)
+    only_top = processed_log_probs(logits, 1.0, top_k=1)
+    assert torch.equal(only_top.argmax(-1), logits.argmax(-1))
+    assert bool((only_top.max(-1).values == 0).all())
+
+
+def test_row_seeds_depend_only_on_the_base_and_the_row():
+    assert derive_row_seeds(7, 5)[:3] == derive_row_seeds(7, 3)
+    assert derive_row_seeds(7, 3) != derive_row_seeds(8, 3)
+    assert len(set(derive_row_seeds(7, 100))) == 100
+    assert derive_row_seeds(None, 4) != derive_row_seeds(None, 4)
+    batch = pad_prompts([[1], [2]], "left")
+    batch["sample_seeds"] = torch.tensor([11, 12])
+    assert row_seeds_for(normalize_generation_input(batch, pad_token_id=0), 7) == [11, 12]
+
+
+def test_select_next_tokens_greedy_and_sampled():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+    tokens, lps = select_next_tokens(
+        logits, greedy=True, temperature=1.0, top_k=None, top_p=1.0, processed=True, generators=[]
+    )
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(lps, logits.log_softmax(-1)[[0, 1], [1, 0]])
+    tokens, lps = select_next_tokens(
+        logits,
+        greedy=False,
+        temperature=0.5,
+        top_k=1,
+        top_p=1.0,
+        processed=True,
+        generators=row_generators([1, 2]),
+    )
+    assert tokens.tolist() == [1, 0] and lps.tolist() == [0.0, 0.0]
+    tokens, raw = select_next_tokens(
+        logits,
+        greedy=False,
+        temperature=0.5,
+        top_k=1,
+        top_p=1.0,
+        processed=False,
+        generators=row_generators([1, 2]),
+    )
+    assert torch.allclose(raw, logits.log_softmax(-1)[[0, 1], [1, 0]])
+
+
+def test_each_row_draws_from_its_own_generator():
+    logits = torch.zeros(1, 1000)
+    alone, _ = select_next_tokens(
+        logits,
+        greedy=False,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        processed=False,
+        generators=row_generators([5]),
+    )
+    paired, _ = select_next_tokens(
+        logits.expand(2, -1),
+        greedy=False,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        processed=False,
+        generators=row_generators([9, 5]),
+    )
+    assert int(alone[0]) == int(paired[1])
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.0])
+def test_tiny_temperatures_count_as_greedy(temperature):
+    from gen_interface.sampling import is_greedy
+
+    assert is_greedy(temperature, greedy=False)
+    assert not is_greedy(0.5, greedy=False)

@@ -1,0 +1,173 @@
+import gc
+import os
+import pickle
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gen_interface import WeightUpdateError
+from gen_interface.weights import (
+    bytes_checksum,
+    check_weights_match,
+    describe_weight_handles,
+    read_shared_weights,
+    release_shared_weights,
+    share_weights,
+    weights_checksum,
+)
+
+# A separate interpreter reads the handles, releases them when asked and pickles back what it read.
+_READER = """
+import pickle, sys
+from gen_interface.weights import read_shared_weights, release_shared_weights
+handles, release = pickle.load(sys.stdin.buffer)
+tensors = [(name, t.cpu().clone()) for name, t in read_shared_weights(handles)]
+if release:
+    release_shared_weights(handles)
+pickle.dump(tensors, sys.stdout.buffer)
+"""
+
+
+def _read_in_another_process(handles, release: bool):
+    done = subprocess.run(
+        [sys.executable, "-c", _READER],
+        input=pickle.dumps((handles, release)),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return pickle.loads(done.stdout)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
+
+
+@st.composite
+def state_dicts(draw):
+    count = draw(st.integers(1, 6))
+    out = {}
+    for i in range(count):
+        shape = draw(st.lists(st.integers(0, 7), min_size=0, max_size=3))
+        dtype = draw(st.sampled_from(DTYPES))
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        values = torch.randn(shape, generator=gen) * 50
+        out[f"layer.{i}.weight"] = values > 0 if dtype == torch.bool else values.to(dtype)
+    return out
+
+
+def _segments(handles):
+    return [b["location"] for b in handles["buckets"] if b["transport"] == "shm"]
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@settings(max_examples=6)
+@given(weights=state_dicts(), bucket_bytes=st.sampled_from([64, 256, 1 << 20]))
+def test_shared_weights_read_back_bit_identical_in_another_process(weights, bucket_bytes):
+    with share_weights(weights, bucket_bytes=bucket_bytes) as shared:
+        segments = _segments(shared.handles)
+        payload = _read_in_another_process(shared.handles, release=True)
+        assert [name for name, _ in payload] == list(weights)
+        for name, tensor in payload:
+            assert _bitwise_equal(tensor, weights[name]), name
+        # the consumer released the segments: none is left behind
+        assert not any(os.path.exists(s) for s in segments)
+
+
+def test_closing_the_producer_unlinks_segments_and_garbage_collection_does_too():
+    shared = share_weights({"a": torch.ones(3)})
+    (segment,) = _segments(shared.handles)
+    assert os.path.exists(segment)
+    shared.close()
+    shared.close()  # idempotent
+    assert not os.path.exists(segment) and shared.closed
+    shared = share_weights({"a": torch.ones(3)})
+    (segment,) = _segments(shared.handles)
+    del shared
+    gc.collect()
+    assert not os.path.exists(segment)
+
+
+def test_buckets_group_tensors_and_a_large_tensor_gets_its_own():
+    weights = {
+        "a": torch.zeros(16),
+        "b": torch.zeros(16),
+        "big": torch.zeros(1000),
+        "c": torch.zeros(4),
+    }
+    with share_weights(weights, bucket_bytes=256) as shared:
+        groups = [[t["name"] for t in b["tensors"]] for b in shared.handles["buckets"]]
+        assert groups == [["a", "b"], ["big"], ["c"]]
+        offsets = [t["offset"] for b in shared.handles["buckets"] for t in b["tensors"]]
+        assert all(o % 64 == 0 for o in offsets)
+        assert describe_weight_handles(shared.handles)["big"] == (torch.Size([1000]), torch.float32)
+
+
+def test_mismatches_are_refused_before_any_bucket_is_mapped():
+    with share_weights({"w": torch.ones(2, 3), "extra": torch.ones(1)}) as shared:
+        model = {"w": (torch.Size([3, 2]), torch.float32)}
+        with pytest.raises(WeightUpdateError) as refused:
+            read_shared_weights(shared.handles, expected=model)
+        message = str(refused.value)
+        assert "'extra' is not a weight of the model" in message and "shape [2, 3]" in message
+    with pytest.raises(WeightUpdateError, match="is bfloat16, the model's is float32"):
+        check_weights_match(
+            {"w": (torch.Size([2]), torch.bfloat16)}, {"w": (torch.Size([2]), torch.float32)}
+        )
+
+
+def test_a_bucket_changed_after_sharing_is_refused():
+    with share_weights({"w": torch.ones(8)}) as shared:
+        tensors = read_shared_weights(shared.handles)
+        tensors[0][1][0] = 5.0  # the views write through to the segment
+        with pytest.raises(WeightUpdateError, match="checksum"):
+            read_shared_weights(shared.handles)
+
+
+def test_segments_on_another_host_or_already_released_are_refused():
+    with share_weights({"w": torch.ones(2)}) as shared:
+        elsewhere = dict(shared.handles, host=socket.gethostname() + "-other")
+        with pytest.raises(WeightUpdateError, match="same machine"):
+            read_shared_weights(elsewhere)
+        assert release_shared_weights(shared.handles) == 1
+        assert release_shared_weights(shared.handles) == 0
+        with pytest.raises(WeightUpdateError, match="already consumed"):
+            read_shared_weights(shared.handles)
+
+
+def test_malformed_handles_are_refused():
+    with pytest.raises(WeightUpdateError, match="format"):
+        describe_weight_handles({"buckets": []})
+    with pytest.raises(WeightUpdateError, match="malformed"):
+        describe_weight_handles({"format": 1, "host": "h", "buckets": [{"tensors": [{}]}]})
+
+
+def test_checksums_see_changed_and_moved_bytes():
+    a = torch.arange(64, dtype=torch.float32)
+    assert bytes_checksum(a) == bytes_checksum(a.clone())
+    assert bytes_checksum(a) != bytes_checksum(a.flip(0))
+    b = a.clone()
+    b[10] += 1e-3
+    assert bytes_checksum(a) != bytes_checksum(b)
+    assert weights_checksum([("x", a), ("y", b)]) == weights_checksum([("y", b), ("x", a)])
+    assert weights_checksum([("x", a), ("y", b)]) != weights_checksum([("x", b), ("y", a)])
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_share_through_ipc_handles():
+    weights = {"w": torch.randn(128, 64, device="cuda"), "b": torch.randn(64, device="cuda")}
+    with share_weights(weights) as shared:
+        assert {b["transport"] for b in shared.handles["buckets"]} == {"cuda_ipc"}
+        payload = _read_in_another_process(shared.handles, release=False)
+    for name, tensor in payload:
+        assert torch.equal(tensor.cpu(), weights[name].cpu())
