@@ -1,9 +1,8 @@
 import pytest
 import torch
+from gen_interface import BatchedDataDict
 from hypothesis import given
 from hypothesis import strategies as st
-
-from gen_interface import BatchedDataDict
 
 
 def _batch(size: int) -> BatchedDataDict:

@@ -1,12 +1,11 @@
 import pytest
-from hypothesis import given
-
 from gen_interface import (
     GenerationConfigError,
     configure_generation_config,
     validate_generation_config,
 )
 from gen_testkit.strategies import generation_configs, invalid_config_fields
+from hypothesis import given
 
 
 class Tok:

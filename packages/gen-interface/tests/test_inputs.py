@@ -1,11 +1,10 @@
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-
 from gen_interface import GenerationInputError, normalize_generation_input
 from gen_testkit.bad_inputs import BAD_INPUTS
 from gen_testkit.strategies import PADDINGS, pad_prompts, prompts
+from hypothesis import given
+from hypothesis import strategies as st
 
 VOCAB = 100
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from gen_interface import RowResult, build_generation_output, normalize_generation_input
 from gen_interface.decoding import StopRules, row_stop_strings
 from gen_testkit.strategies import pad_prompts

@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import pytest
-
 from gen_interface import (
     BackendUnavailableError,
     GenerationConfigError,

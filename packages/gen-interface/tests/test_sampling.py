@@ -2,9 +2,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given
-from hypothesis import strategies as st
-
 from gen_interface.inputs import normalize_generation_input
 from gen_interface.sampling import (
     derive_row_seeds,
@@ -14,6 +11,8 @@ from gen_interface.sampling import (
     select_next_tokens,
 )
 from gen_testkit.strategies import pad_prompts
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 
 def _by_hand(

@@ -7,9 +7,6 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from gen_interface import WeightUpdateError
 from gen_interface.weights import (
     bytes_checksum,
@@ -20,6 +17,8 @@ from gen_interface.weights import (
     share_weights,
     weights_checksum,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # A separate interpreter reads the handles, releases them when asked and pickles back what it read.
 _READER = """

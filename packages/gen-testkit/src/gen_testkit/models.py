@@ -1,0 +1,245 @@
+"""Small random-weight causal LMs with a matching small tokenizer, built deterministically.
+
+Models cannot be downloaded in CI, so tests and the default demo build their own: a Hugging Face
+model directory (config, safetensors weights, tokenizer) that any backend loads like a real one.
+A given ``TinyModelSpec`` always gives byte-identical weights: every tensor is drawn from its own
+generator, seeded from the spec's seed and the tensor's name, independent of transformers' init
+order. Built models are cached on disk under a key derived from the spec.
+
+Needs transformers (``gen-testkit[models]``); it is imported only when a model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "PRESETS",
+    "TinyModel",
+    "TinyModelSpec",
+    "build_tiny_model",
+    "model_cache_dir",
+]
+
+Architecture = Literal["qwen2", "llama"]
+
+_FORMAT = 1  # bump when the build recipe changes, so old caches are not reused
+_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Everything that determines a tiny model. Equal specs give byte-identical models.
+
+    ``init_std`` is larger than a trained model's would suggest so that the random model's
+    next-token distributions are peaked enough for greedy decoding to be well separated (few
+    near-ties) yet spread enough for sampling to vary.
+    """
+
+    architecture: Architecture = "qwen2"
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4  # head_dim = hidden / heads; vLLM's CPU kernels need >= 32
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    init_std: float = 0.15
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        head_dim, rest = divmod(self.hidden_size, self.num_attention_heads)
+        if rest or head_dim < 32:
+            raise ValueError(
+                "hidden_size / num_attention_heads must be an integer >= 32 (vLLM's CPU "
+                f"attention refuses smaller heads), got "
+                f"{self.hidden_size}/{self.num_attention_heads}"
+            )
+        if self.vocab_size < 320:
+            raise ValueError(
+                f"vocab_size must be >= 320 (256 byte tokens, specials and some merges), "
+                f"got {self.vocab_size}"
+            )
+
+    @property
+    def key(self) -> str:
+        """A short, stable name for the spec, used as its cache directory."""
+        blob = json.dumps({"format": _FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        return f"{self.architecture}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+    def parameter_count(self) -> int:
+        h, i, v, n = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.num_hidden_layers,
+        )
+        kv = h // self.num_attention_heads * self.num_key_value_heads
+        attn = h * h * 2 + h * kv * 2 + (h + 2 * kv if self.architecture == "qwen2" else 0)
+        return 2 * v * h + n * (attn + 3 * h * i + 2 * h) + h
+
+
+#: Named specs used across the project's tests, benchmarks and the parity command.
+PRESETS: dict[str, TinyModelSpec] = {
+    "tiny-qwen2": TinyModelSpec(architecture="qwen2"),
+    "tiny-llama": TinyModelSpec(architecture="llama", seed=1),
+    # About 50M parameters: the size the throughput benchmarks use.
+    "bench-50m": TinyModelSpec(
+        architecture="qwen2",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        init_std=0.05,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A built model on disk: pass ``str(path)`` as ``model_name`` to any backend."""
+
+    spec: TinyModelSpec
+    path: Path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def pad_token_id(self) -> int:
+        return 0
+
+    @property
+    def eos_token_id(self) -> int:
+        return 2
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors by their Hugging Face names (the names weight updates use)."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path / "model.safetensors"))
+
+
+def model_cache_dir() -> Path:
+    """Where built models live: ``$GEN_TESTKIT_CACHE`` or ``~/.cache/gen-testkit/models``."""
+    root = os.environ.get("GEN_TESTKIT_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "gen-testkit" / "models"
+
+
+def build_tiny_model(
+    spec: TinyModelSpec | str = "tiny-qwen2", *, cache: Path | None = None
+) -> TinyModel:
+    """Build (or reuse from the cache) the model directory for ``spec`` or a preset name.
+
+    The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and a
+    byte-level BPE tokenizer (ids 0 ``<pad>``, 1 ``<s>``, 2 ``</s>``) whose vocabulary fits
+    inside the model's. The build writes to a temporary directory and renames it into place, so
+    concurrent builders never see a half-written model.
+    """
+    if isinstance(spec, str):
+        try:
+            spec = PRESETS[spec]
+        except KeyError:
+            raise ValueError(f"no tiny model preset {spec!r}; presets: {sorted(PRESETS)}") from None
+    root = cache or model_cache_dir()
+    target = root / spec.key
+    if (target / "model.safetensors").is_file():
+        return TinyModel(spec, target)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{spec.key}-", dir=root))
+    try:
+        _write_model(spec, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # lost a race to a finished build
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return TinyModel(spec, target)
+
+
+def _write_model(spec: TinyModelSpec, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[spec.architecture]
+    config = config_cls(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            param.copy_(_draw(spec, name, param.shape))
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2).save_pretrained(out)
+    _write_tokenizer(spec, out)
+
+
+def _draw(spec: TinyModelSpec, name: str, shape: torch.Size) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.sha256(f"{spec.seed}/{name}".encode()).digest()[:8], "little")
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * noise
+    if name.endswith(".bias"):
+        return 0.1 * noise
+    return spec.init_std * noise
+
+
+def _write_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(spec.vocab_size, 1024) - 16,  # room for the wrapper's extra tokens
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.split("\n"), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(out)
+
+
+# A fixed training text for the tokenizer's merges: any text works, it only has to be fixed.
+_CORPUS = """\
+Reinforcement learning from feedback samples many responses from a policy, scores them and
+updates the policy towards the better ones. The generation layer turns token ids into token ids
+and log-probabilities, fast, with numbers that agree across backends.
+A training loop calls prepare for generation, generates a batch, finishes generation, trains,
+and then pushes the new weights to every generation worker before the next round.
+The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly.
+Sphinx of black quartz, judge my vow. Pack my box with five dozen liquor jugs.
+def generate(data, greedy=False): return outputs  # code is text too: (x + y) * z [0, 1, 2]
+Numbers 0123456789 and punctuation .,;:!?'"-()[]{}<>/@#$%^&*=+_~ appear in real prompts.
+"""

@@ -1,0 +1,194 @@
+"""``NgramGeneration``: the whole generation interface on a deterministic n-gram model.
+
+It needs no model files and runs in milliseconds, so the conformance suite is tested against it
+and training loops can be unit-tested without a real model. It follows every CONTRACT rule with
+the reference decoding step (``gen_interface.sampling.select_next_tokens``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from gen_interface import (
+    BackendCapabilities,
+    BatchedDataDict,
+    GenerationConfig,
+    GenerationConfigError,
+    GenerationDatumSpec,
+    GenerationError,
+    GenerationInputError,
+    GenerationInterface,
+    GenerationOutputSpec,
+    RowResult,
+    ScoreSpec,
+    WeightUpdateError,
+    build_generation_output,
+    normalize_generation_input,
+    sampling_settings_of,
+    validate_generation_config,
+)
+from gen_interface.decoding import StopRules
+from gen_interface.sampling import is_greedy, row_generators, row_seeds_for, select_next_tokens
+from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
+from gen_interface.weights import check_weights_match, read_shared_weights, release_shared_weights
+
+from gen_testkit.ngram.model import NgramModel
+
+__all__ = ["NgramConfig", "NgramGeneration"]
+
+State = Literal["ready", "finished", "shut down"]
+
+
+class NgramConfig(GenerationConfig, total=False):
+    """``GenerationConfig`` plus ``ngram``: ``vocab_size`` (512), ``order`` (2), ``init_seed``
+    (0), ``context_limit`` (256, the longest prompt + generation). ``model_name`` is a label."""
+
+    ngram: dict[str, int]
+
+
+_NGRAM_DEFAULTS = {"vocab_size": 512, "order": 2, "init_seed": 0, "context_limit": 256}
+
+
+class NgramGeneration(GenerationInterface):
+    """A pure-torch backend on ``NgramModel``, in process, on the CPU."""
+
+    def __init__(self, config: NgramConfig):
+        validate_generation_config(config)
+        settings = {**_NGRAM_DEFAULTS, **config.get("ngram", {})}
+        unknown = set(settings) - set(_NGRAM_DEFAULTS)
+        if unknown:
+            raise GenerationConfigError(f"ngram has unknown keys {sorted(unknown)}")
+        if config.get("stop_strings"):
+            raise GenerationConfigError(
+                "stop_strings needs a tokenizer and the ngram backend has none; use stop_token_ids"
+            )
+        self.config = config
+        self.model = NgramModel(settings["vocab_size"], settings["order"], settings["init_seed"])
+        self.context_limit = int(settings["context_limit"])
+        self._state: State = "ready"
+        self._lock = threading.Lock()
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(
+            weight_transports=frozenset({"shm", "state_dict"}),
+            devices=("cpu",),
+            score=True,
+            notes=("runs without a tokenizer: stop strings are refused",),
+        )
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        prompts = normalize_generation_input(
+            data,
+            pad_token_id=self.config["pad_token_id"],
+            vocab_size=self.model.vocab_size,
+            context_limit=self.context_limit,
+        )
+        if any(prompts.stop_strings):
+            raise GenerationInputError(
+                "stop_strings need a tokenizer and the ngram backend has none; use stop_token_ids"
+            )
+        with self._lock:
+            self._check_ready()
+            temperature, top_k, top_p = sampling_settings_of(self.config)
+            greedy = is_greedy(temperature, greedy)
+            rules = StopRules.for_call(self.config, prompts, context_limit=self.context_limit)
+            generators = row_generators(row_seeds_for(prompts, self.config.get("seed")))
+            sequences = prompts.prompts()
+            lengths = [len(s) for s in sequences]
+            generated: list[list[int]] = [[] for _ in sequences]
+            logprobs: list[list[float]] = [[] for _ in sequences]
+            truncated = [False] * len(sequences)
+            active = list(range(len(sequences)))
+            while active:
+                tokens, chosen = select_next_tokens(
+                    self.model.next_logits([sequences[i] for i in active]),
+                    greedy=greedy,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    processed=self.config.get("logprobs_mode") == "processed",
+                    generators=[generators[i] for i in active],
+                )
+                still = []
+                for i, token, lp in zip(active, tokens.tolist(), chosen.tolist()):
+                    sequences[i].append(token)
+                    generated[i].append(token)
+                    logprobs[i].append(lp)
+                    reason = rules.reason(i, lengths[i], generated[i])
+                    if reason is None:
+                        still.append(i)
+                    else:
+                        truncated[i] = reason == "length"
+                active = still
+        rows = [RowResult(g, lp, t) for g, lp, t in zip(generated, logprobs, truncated)]
+        return build_generation_output(prompts, rows, self.config["pad_token_id"])
+
+    def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
+        batch = normalize_score_input(data, vocab_size=self.model.vocab_size)
+        with self._lock:
+            self._check_ready()
+            per_row = []
+            for sequence, prompt_length in zip(batch.sequences, batch.prompt_lengths):
+                logits = self.model.sequence_logits(sequence[:-1])[prompt_length - 1 :]
+                response = torch.tensor(sequence[prompt_length:])
+                per_row.append(logits.log_softmax(-1).gather(1, response[:, None]).squeeze(1))
+        return scatter_response_logprobs(batch, per_row)
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            if self._state == "shut down":
+                raise GenerationError("the ngram backend is shut down; build a new one")
+            self._state = "ready"
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            if self._state == "ready":
+                self._state = "finished"
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._state = "shut down"
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the model's weights by name."""
+        return {name: w.clone() for name, w in self.model.weights.items()}
+
+    def prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
+    ) -> None:
+        check_weights_match(state_dict_info, self.model.specs())
+
+    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
+        tensors = read_shared_weights(handles, expected=self.model.specs())
+        try:
+            self._write(dict(tensors))
+        finally:
+            release_shared_weights(handles)
+
+    def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load weights from an in-process state dict (checked like an IPC update)."""
+        check_weights_match(
+            {n: (t.shape, t.dtype) for n, t in state_dict.items()}, self.model.specs()
+        )
+        self._write(state_dict)
+
+    def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        with self._lock:
+            if self._state == "shut down":
+                raise WeightUpdateError("the ngram backend is shut down")
+            for name, tensor in tensors.items():
+                self.model.weights[name].copy_(tensor)
+
+    def _check_ready(self) -> None:
+        if self._state == "finished":
+            raise GenerationError(
+                "generate called after finish_generation(); call prepare_for_generation() first"
+            )
+        if self._state == "shut down":
+            raise GenerationError("the ngram backend is shut down; build a new one")
