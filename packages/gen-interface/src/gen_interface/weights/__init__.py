@@ -16,6 +16,7 @@ from gen_interface.weights.checksum import bytes_checksum, weights_checksum
 from gen_interface.weights.consumer import (
     TensorSpecs,
     check_weights_match,
+    handles_for_device,
     read_shared_weights,
     release_shared_weights,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "bytes_checksum",
     "check_weights_match",
     "describe_weight_handles",
+    "handles_for_device",
     "read_shared_weights",
     "release_shared_weights",
     "share_weights",

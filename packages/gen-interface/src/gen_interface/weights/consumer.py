@@ -17,6 +17,7 @@ from gen_interface.weights.shm import map_segment, unlink_segment
 __all__ = [
     "TensorSpecs",
     "check_weights_match",
+    "handles_for_device",
     "read_shared_weights",
     "release_shared_weights",
 ]
@@ -91,6 +92,29 @@ def read_shared_weights(
                 (slot["name"], view.view(dtype_from_name(slot["dtype"])).view(slot["shape"]))
             )
     return out
+
+
+def handles_for_device(handles: Mapping[str, Any], device_uuid: str) -> dict[str, Any]:
+    """The part of ``handles`` a worker on the GPU ``device_uuid`` reads.
+
+    A trainer with weights on several GPUs shares each GPU's copy as CUDA IPC buckets; a worker
+    maps only the buckets of its own GPU. Shared-memory buckets are kept for everyone.
+
+    Raises:
+        WeightUpdateError: the handles hold CUDA buckets, none of them on this GPU.
+    """
+    buckets = [
+        b
+        for b in handles["buckets"]
+        if b["transport"] != "cuda_ipc" or b["device_uuid"] == device_uuid
+    ]
+    cuda = [b for b in handles["buckets"] if b["transport"] == "cuda_ipc"]
+    if cuda and not any(b["transport"] == "cuda_ipc" for b in buckets):
+        on = sorted({b["device_uuid"] for b in cuda})
+        raise WeightUpdateError(
+            f"weights were shared on GPUs {on}, none of them this worker's GPU {device_uuid}"
+        )
+    return {**handles, "buckets": buckets}
 
 
 def release_shared_weights(handles: Mapping[str, Any]) -> int:

@@ -1,0 +1,182 @@
+"""``RayVirtualCluster``: the resources generation may use, reserved as Ray placement groups."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gen_interface import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+__all__ = ["Bundle", "RayVirtualCluster"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One reserved slot: ``bundle_index`` of ``node_index``'s placement group.
+
+    ``local_index`` and ``local_count`` place the bundle among the bundles of its node, which is
+    how CPU workers on one machine pick disjoint cores.
+    """
+
+    node_index: int
+    bundle_index: int
+    local_index: int
+    local_count: int
+    num_cpus: float
+    num_gpus: float
+
+
+class RayVirtualCluster:
+    """Describes the resources generation may use and reserves them as Ray placement groups.
+
+    One placement group per entry of ``bundle_ct_per_node_list``, packed onto one node
+    (``STRICT_PACK``), so the bundles listed for a node share a machine. A bundle holds one GPU
+    (and ``num_cpus_per_bundle`` CPUs) when GPUs are used, else ``num_cpus_per_bundle`` CPUs.
+
+    Args:
+        bundle_ct_per_node_list: bundles on each node, e.g. ``[2]`` or ``[8, 8]``.
+        use_gpus: True, False, or None for "GPUs if Ray sees any".
+        num_gpus_per_node: GPUs per node, for checking the request (default: what Ray sees).
+        max_colocated_worker_groups: how many worker groups may share each bundle (e.g. a
+            trainer and generation): each gets ``1 / max_colocated_worker_groups`` of a GPU.
+        num_cpus_per_bundle: CPUs per bundle; default: the node's CPUs divided among its
+            bundles (at least 1).
+        name: a prefix for the placement groups' names.
+        address: a Ray cluster to join (``"auto"``, ``"ray://host:port"``); default: the running
+            one, or ``RAY_ADDRESS``, or a new local Ray that ``shutdown()`` stops.
+
+    Raises:
+        BackendUnavailableError: Ray cannot start or join, or the resources are not there.
+    """
+
+    def __init__(
+        self,
+        bundle_ct_per_node_list: list[int],
+        use_gpus: bool | None = None,
+        num_gpus_per_node: int | None = None,
+        max_colocated_worker_groups: int = 1,
+        num_cpus_per_bundle: float | None = None,
+        name: str = "gen",
+        address: str | None = None,
+        placement_timeout_s: float = 180.0,
+    ):
+        if not bundle_ct_per_node_list or any(
+            not isinstance(n, int) or n < 1 for n in bundle_ct_per_node_list
+        ):
+            raise ValueError(
+                f"bundle_ct_per_node_list must list >= 1 bundles per node, "
+                f"got {bundle_ct_per_node_list!r}"
+            )
+        if max_colocated_worker_groups < 1:
+            raise ValueError("max_colocated_worker_groups must be >= 1")
+        # Under `uv run`, Ray would rebuild the driver's environment for every worker from a
+        # copy of the working directory (minutes, and network access). Workers on this machine
+        # already share the driver's interpreter, so keep them on it unless the user says not to.
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        import ray
+
+        self._started_ray = False
+        if not ray.is_initialized():
+            address = address or os.environ.get("RAY_ADDRESS")
+            try:
+                if address:
+                    ray.init(address=address, log_to_driver=True)
+                else:
+                    ray.init(include_dashboard=False, log_to_driver=True)
+                    self._started_ray = True
+            except Exception as exc:  # Ray raises many types; all mean "no cluster"
+                raise BackendUnavailableError(f"could not start or join Ray: {exc}") from exc
+        self.bundle_ct_per_node_list = list(bundle_ct_per_node_list)
+        self.max_colocated_worker_groups = max_colocated_worker_groups
+        self.name = name
+
+        resources = ray.cluster_resources()
+        gpus_seen = int(resources.get("GPU", 0))
+        self.use_gpus = gpus_seen > 0 if use_gpus is None else use_gpus
+        if self.use_gpus and gpus_seen == 0:
+            raise BackendUnavailableError("use_gpus=True but Ray sees no GPU")
+        self.num_gpus_per_node = num_gpus_per_node
+        if self.use_gpus and num_gpus_per_node is not None:
+            too_many = [n for n in bundle_ct_per_node_list if n > num_gpus_per_node]
+            if too_many:
+                raise BackendUnavailableError(
+                    f"{too_many[0]} bundles asked on a node of {num_gpus_per_node} GPUs"
+                )
+        nodes = max(1, len([n for n in ray.nodes() if n.get("Alive")]))
+        cpus_per_node = resources.get("CPU", 1) / nodes
+        self._placement_groups: list[PlacementGroup] = []
+        self.bundles: list[Bundle] = []
+        from ray.util.placement_group import placement_group
+
+        for node_index, count in enumerate(self.bundle_ct_per_node_list):
+            cpus = num_cpus_per_bundle or max(1.0, float(int(cpus_per_node // count)))
+            spec: dict[str, float] = {"CPU": cpus}
+            if self.use_gpus:
+                spec["GPU"] = 1.0
+            group = placement_group(
+                [dict(spec) for _ in range(count)],
+                strategy="STRICT_PACK",
+                name=f"{name}-node{node_index}-{os.getpid()}-{id(self)}",
+            )
+            self._placement_groups.append(group)
+            self.bundles.extend(
+                Bundle(node_index, b, b, count, cpus, spec.get("GPU", 0.0)) for b in range(count)
+            )
+        try:
+            ray.get([g.ready() for g in self._placement_groups], timeout=placement_timeout_s)
+        except Exception as exc:
+            self.shutdown()
+            raise BackendUnavailableError(
+                f"Ray could not reserve {self.bundle_ct_per_node_list} bundles of "
+                f"{self.bundles[0].num_cpus:g} CPUs{' and 1 GPU' if self.use_gpus else ''} within "
+                f"{placement_timeout_s:g} s (cluster has {resources}): {exc}"
+            ) from exc
+
+    @property
+    def world_size(self) -> int:
+        """Total number of bundles."""
+        return len(self.bundles)
+
+    def placement_group(self, node_index: int) -> PlacementGroup:
+        return self._placement_groups[node_index]
+
+    def scheduling_strategy(self, bundle: Bundle, *, capture_child_tasks: bool = False) -> Any:
+        """A Ray scheduling strategy that places an actor in ``bundle``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self._placement_groups[bundle.node_index],
+            placement_group_bundle_index=bundle.bundle_index,
+            placement_group_capture_child_tasks=capture_child_tasks,
+        )
+
+    def shutdown(self) -> None:
+        """Remove the placement groups, and stop Ray if this cluster started it. Idempotent."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._placement_groups:
+            try:
+                remove_placement_group(group)
+            except Exception as exc:  # already removed, or Ray going down
+                logger.debug("placement group removal: %s", exc)
+        self._placement_groups = []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> RayVirtualCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

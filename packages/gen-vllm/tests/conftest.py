@@ -1,0 +1,63 @@
+"""Shared vLLM engines: each costs ~30 s to start, so tests share them for the whole session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Engines on this small machine: a small KV cache each, so several can coexist.
+KV_GIB = 0.25
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the session, with more logical CPUs than cores so that the shared
+    engines (one bundle of 1 CPU each) can all stay up at once."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("vllm")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+class EngineCache:
+    """Builds ``(cluster, VllmGeneration)`` pairs on first use and keeps them for the session."""
+
+    def __init__(self):
+        self._engines: dict[tuple, tuple] = {}
+
+    def get(self, model, *, replicas: int = 1, logprobs_mode: str = "raw", **overrides):
+        from gen_testkit.conformance import conformance_config
+        from gen_vllm import RayVirtualCluster, VllmGeneration
+
+        key = (str(model.path), replicas, logprobs_mode, tuple(sorted(overrides.items())))
+        if key not in self._engines:
+            cluster = RayVirtualCluster([replicas], num_cpus_per_bundle=1)
+            config = conformance_config(
+                backend="vllm",
+                model_name=str(model.path),
+                vocab_size=model.vocab_size,
+                logprobs_mode=logprobs_mode,
+                vllm_cfg={"cpu_kv_cache_gib": KV_GIB},
+                **overrides,
+            )
+            self._engines[key] = (cluster, VllmGeneration(cluster, config))
+        return self._engines[key][1]
+
+    def close(self):
+        for cluster, backend in self._engines.values():
+            backend.shutdown()
+            cluster.shutdown()
+        self._engines.clear()
+
+
+@pytest.fixture(scope="session")
+def engines(ray_session):
+    cache = EngineCache()
+    yield cache
+    cache.close()

@@ -1,0 +1,66 @@
+import pytest
+
+from gen_interface import BackendUnavailableError, GenerationConfigError
+from gen_vllm.config import VLLM_CFG_DEFAULTS, complete_vllm_config
+from gen_vllm.engine_args import engine_args_for
+
+BASE = {
+    "backend": "vllm",
+    "model_name": "m",
+    "max_new_tokens": 4,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "pad_token_id": 0,
+    "stop_token_ids": [2],
+}
+
+
+def test_defaults_are_filled_and_the_argument_is_not_changed():
+    given = dict(BASE, vllm_cfg={"max_model_len": 128})
+    config = complete_vllm_config(given)
+    assert given["vllm_cfg"] == {"max_model_len": 128}
+    assert config["vllm_cfg"] == {**VLLM_CFG_DEFAULTS, "max_model_len": 128}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("tensor_parallel_size", 0),
+        ("gpu_memory_utilization", 1.5),
+        ("max_model_len", -1),
+        ("cpu_kv_cache_gib", 0),
+        ("enforce_eager", "yes"),
+        ("load_tokenizer", "maybe"),
+        ("engine_kwargs", []),
+        ("no_such_key", 1),
+    ],
+)
+def test_bad_engine_settings_are_refused_by_name(key, value):
+    with pytest.raises(GenerationConfigError, match=key):
+        complete_vllm_config(dict(BASE, vllm_cfg={key: value}))
+
+
+def test_engine_args_on_cpu_and_gpu():
+    config = complete_vllm_config(
+        dict(
+            BASE, logprobs_mode="processed", seed=7, vllm_cfg={"engine_kwargs": {"block_size": 32}}
+        )
+    )
+    cpu = engine_args_for(config, use_gpus=False)
+    assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["seed"] == 7
+    assert cpu["kv_cache_memory_bytes"] == 1 << 30 and not cpu["enable_sleep_mode"]
+    assert cpu["block_size"] == 32 and "gpu_memory_utilization" not in cpu
+    gpu = engine_args_for(config, use_gpus=True)
+    assert gpu["enable_sleep_mode"] and gpu["gpu_memory_utilization"] == 0.8
+
+
+def test_cluster_reserves_bundles_and_refuses_what_is_not_there(ray_session):
+    from gen_vllm import RayVirtualCluster
+
+    with RayVirtualCluster([2], num_cpus_per_bundle=1) as cluster:
+        assert cluster.world_size == 2 and not cluster.use_gpus
+        assert [b.local_index for b in cluster.bundles] == [0, 1]
+    with pytest.raises(BackendUnavailableError, match="could not reserve"):
+        RayVirtualCluster([1], num_cpus_per_bundle=64, placement_timeout_s=3)
+    with pytest.raises(BackendUnavailableError, match="no GPU"):
+        RayVirtualCluster([1], use_gpus=True)

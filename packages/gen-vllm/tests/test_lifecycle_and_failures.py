@@ -1,0 +1,105 @@
+"""Start-up, shutdown and a worker dying: errors come quickly and nothing is left behind."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from gen_interface import BackendUnavailableError, GenerationError
+from gen_testkit.conformance import conformance_config
+from gen_testkit.strategies import pad_prompts
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def own_backend(ray_session, tiny_qwen2):
+    """A backend of its own: these tests kill it."""
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    cluster = RayVirtualCluster([1], num_cpus_per_bundle=1)
+    config = conformance_config(
+        backend="vllm",
+        model_name=str(tiny_qwen2.path),
+        vocab_size=tiny_qwen2.vocab_size,
+        max_new_tokens=200,
+        stop_token_ids=[],
+        vllm_cfg={"cpu_kv_cache_gib": 0.25},
+    )
+    backend = VllmGeneration(cluster, config)
+    yield backend
+    backend.shutdown()
+    cluster.shutdown()
+
+
+def test_a_dead_worker_fails_generate_within_seconds_and_shutdown_leaves_nothing(own_backend):
+    pid = own_backend.replicas.infos[0]["pid"]
+    assert _alive(pid)
+    batch = pad_prompts([[5, 6, 7]] * 64, "right")
+    outcome: dict = {}
+
+    def run():
+        try:
+            own_backend.generate(batch, greedy=False)
+        except GenerationError as exc:
+            outcome["error"] = exc
+            outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate hung after its worker died"
+    assert "died" in str(outcome["error"])
+    assert outcome["at"] - killed_at < 15
+    with pytest.raises(GenerationError, match="died"):
+        own_backend.generate(pad_prompts([[5]], "right"), greedy=True)
+    own_backend.shutdown()
+    own_backend.shutdown()  # idempotent
+    assert not _alive(pid)
+
+
+def test_shutdown_stops_every_engine_process(own_backend, ray_session):
+    pids = [info["pid"] for info in own_backend.replicas.infos]
+    assert all(_alive(p) for p in pids)
+    named_before = set(ray_session.util.list_named_actors())
+    own_backend.shutdown()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+    gone = named_before - set(ray_session.util.list_named_actors())
+    assert len(gone) == len(pids)  # the backend's named actors are gone from Ray
+    with pytest.raises(GenerationError, match="shut down"):
+        own_backend.generate(pad_prompts([[5]], "right"), greedy=True)
+
+
+def test_an_engine_that_cannot_start_is_reported(ray_session, tmp_path):
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    (tmp_path / "config.json").write_text("{}")
+    cluster = RayVirtualCluster([1], num_cpus_per_bundle=1)
+    config = {
+        "backend": "vllm",
+        "model_name": str(tmp_path),
+        "max_new_tokens": 4,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "pad_token_id": 0,
+        "stop_token_ids": [],
+    }
+    try:
+        with pytest.raises(BackendUnavailableError, match="failed to start"):
+            VllmGeneration(cluster, config)
+    finally:
+        cluster.shutdown()

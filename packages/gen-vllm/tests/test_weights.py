@@ -1,0 +1,67 @@
+"""Weight updates through IPC handles on every replica, checked by checksums and a probe."""
+
+import pytest
+import torch
+
+from gen_interface import WeightUpdateError
+from gen_interface.weights import share_weights
+from gen_testkit.strategies import pad_prompts
+
+PROMPTS = [[5, 17, 42, 8], [99], [7, 7, 7], [300, 12, 1]]
+
+
+@pytest.fixture(scope="module")
+def backend(engines, tiny_qwen2):
+    return engines.get(tiny_qwen2, replicas=2)
+
+
+def _greedy(backend):
+    return backend.generate(pad_prompts(PROMPTS, "left"), greedy=True)
+
+
+def test_an_update_reaches_every_replica_and_updating_back_restores(backend, tiny_qwen2):
+    original = tiny_qwen2.state_dict()
+    before = _greedy(backend)
+    scaled = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in original.items()}
+    reports = []
+    real_call_all = backend.replicas.call_all
+
+    def spy(method, args, timeout_s=None):
+        result = real_call_all(method, args, timeout_s)
+        if method == "update_weights_from_ipc_handles":
+            reports.extend(r for replica in result for r in replica)
+        return result
+
+    backend.replicas.call_all = spy
+    try:
+        with share_weights(scaled) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+    finally:
+        backend.replicas.call_all = real_call_all
+    assert len(reports) == backend.num_replicas == 2
+    assert len({r["received_checksum"] for r in reports}) == 1
+    assert len({r["model_checksum"] for r in reports}) == 1
+    assert len({r["device_id"] for r in reports}) == 2  # two distinct worker processes
+    changed = _greedy(backend)
+    assert not torch.equal(changed["output_ids"], before["output_ids"])
+    with share_weights(original) as shared:
+        backend.update_weights_from_ipc_handles(shared.handles)
+    after = _greedy(backend)
+    assert torch.equal(after["output_ids"], before["output_ids"])
+    assert torch.equal(after["logprobs"], before["logprobs"])
+
+
+def test_a_partial_update_is_refused_because_vllm_reloads_whole_layers(backend, tiny_qwen2):
+    partial = {k: v for k, v in tiny_qwen2.state_dict().items() if "layers.1." not in k}
+    before = _greedy(backend)
+    with share_weights(partial) as shared, pytest.raises(WeightUpdateError, match="missing"):
+        backend.update_weights_from_ipc_handles(shared.handles)
+    assert torch.equal(_greedy(backend)["logprobs"], before["logprobs"])
+
+
+def test_refit_info_is_checked_at_set_up(backend, tiny_qwen2):
+    info = {k: (v.shape, v.dtype) for k, v in tiny_qwen2.state_dict().items()}
+    backend.prepare_refit_info(info)
+    info["model.norm.weight"] = (torch.Size([7]), torch.float32)
+    with pytest.raises(WeightUpdateError, match="model.norm.weight"):
+        backend.prepare_refit_info(info)
