@@ -1,0 +1,287 @@
+"""``HfGeneration``: the Hugging Face transformers reference backend, in process.
+
+Every other backend is measured against this one, so it decodes with the shared reference
+pieces of gen-interface (input normalisation, ``select_next_tokens``, ``StopRules``, the output
+layout) on the model's own forward pass and KV cache; see ``decode.py`` for the loop.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from gen_interface import (
+    BackendCapabilities,
+    BatchedDataDict,
+    GenerationConfigError,
+    GenerationDatumSpec,
+    GenerationError,
+    GenerationInputError,
+    GenerationInterface,
+    GenerationOutputSpec,
+    ScoreSpec,
+    WeightTransport,
+    WeightUpdateError,
+    build_generation_output,
+    normalize_generation_input,
+    sampling_settings_of,
+)
+from gen_interface.decoding import StopRules
+from gen_interface.sampling import is_greedy, row_generators, row_seeds_for
+from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
+from gen_interface.weights import (
+    check_weights_match,
+    describe_weight_handles,
+    read_shared_weights,
+    release_shared_weights,
+)
+
+from gen_hf.config import HfConfig, complete_hf_config
+from gen_hf.decode import SamplingStep, decode_batch
+from gen_hf.loading import (
+    LoadedModel,
+    load_model,
+    load_tokenizer_decode,
+    move_model,
+    resolve_device,
+)
+from gen_hf.score import score_sequences
+from gen_hf.weights import model_tensor_specs, state_dict_specs, write_weights
+
+__all__ = ["HfGeneration"]
+
+State = Literal["ready", "finished", "shut down"]
+
+
+class HfGeneration(GenerationInterface):
+    """Any causal LM that ``AutoModelForCausalLM`` loads, on CUDA when present, else the CPU.
+
+    Lifecycle: built ready to generate. ``finish_generation()`` drops what generation holds
+    (the KV cache lives only inside a call; on CUDA with ``colocated.enabled`` the weights also
+    move to the CPU); ``generate`` then raises ``GenerationError`` until
+    ``prepare_for_generation()``. Weight updates are accepted in any state but "shut down".
+    Calls are serialised by a lock, so ``generate_async``'s thread is safe.
+    """
+
+    def __init__(self, config: HfConfig):
+        """Load the model (and, for stop strings, the tokenizer) named by ``config``.
+
+        Args:
+            config: a configured ``HfConfig`` (``configure_generation_config``); ``hf_cfg``
+                may be partial, its defaults are filled in.
+
+        Raises:
+            GenerationConfigError: a field is out of range, the model does not load, or
+                ``stop_strings`` are set and no tokenizer loads from ``model_name``.
+            BackendUnavailableError: ``hf_cfg.device`` names a CUDA device that is not present.
+        """
+        self.config: HfConfig = complete_hf_config(config)
+        hf_cfg = self.config["hf_cfg"]
+        self._device = resolve_device(hf_cfg["device"])
+        self._decode = load_tokenizer_decode(self.config)
+        if self.config.get("stop_strings") and self._decode is None:
+            raise GenerationConfigError(
+                f"stop_strings {self.config['stop_strings']!r} need a tokenizer and none loads "
+                f"from model_name {self.config['model_name']!r}; use stop_token_ids, or give a "
+                "model directory with a tokenizer"
+            )
+        self._loaded: LoadedModel | None = load_model(self.config, self._device)
+        self._vocab_size = self._loaded.vocab_size
+        self._context_limit = self._loaded.context_limit
+        self._specs = model_tensor_specs(self._loaded.model)
+        self._max_batch_size = int(hf_cfg["max_batch_size"])
+        self._offload_on_finish = (
+            self._device.type == "cuda" and self.config["colocated"]["enabled"]
+        )
+        self._offloaded = False
+        self._state: State = "ready"
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs while generating."""
+        return self._device
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        on_cuda = self._device.type == "cuda"
+        transports: set[WeightTransport] = {"shm", "state_dict"}
+        if on_cuda:
+            transports.add("cuda_ipc")
+        notes = ["the KV cache lives only inside a generate call; nothing is cached between calls"]
+        if self._offload_on_finish:
+            notes.append(
+                "finish_generation moves the weights to the CPU and empties the CUDA cache; "
+                "prepare_for_generation moves them back"
+            )
+        elif on_cuda:
+            notes.append(
+                "finish_generation empties the CUDA cache but keeps the weights on the GPU "
+                "(colocated.enabled is false)"
+            )
+        else:
+            notes.append(
+                "on the CPU finish_generation keeps the weights in memory: there is no device "
+                "memory to give back"
+            )
+        if self._decode is None:
+            notes.append("no tokenizer loads from model_name: stop strings are refused")
+        return BackendCapabilities(
+            sleep=self._offload_on_finish,
+            async_generation=False,
+            weight_transports=frozenset(transports),
+            devices=(self._device.type,),
+            score=True,
+            stop_strings=self._decode is not None,
+            notes=tuple(notes),
+        )
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        pad_token_id = self.config["pad_token_id"]
+        prompts = normalize_generation_input(
+            data,
+            pad_token_id=pad_token_id,
+            vocab_size=self._vocab_size,
+            context_limit=self._context_limit,
+        )
+        if self._decode is None and any(prompts.stop_strings):
+            row = next(i for i, s in enumerate(prompts.stop_strings) if s)
+            raise GenerationInputError(
+                f"stop_strings row {row} is {prompts.stop_strings[row]!r}, but stop strings "
+                f"need a tokenizer and none loads from {self.config['model_name']!r}; use "
+                "stop_token_ids"
+            )
+        temperature, top_k, top_p = sampling_settings_of(self.config)
+        step = SamplingStep(
+            greedy=is_greedy(temperature, greedy),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            processed=self.config.get("logprobs_mode") == "processed",
+        )
+        with self._lock:
+            loaded = self._ready_model()
+            rules = StopRules.for_call(
+                self.config, prompts, context_limit=self._context_limit, decode=self._decode
+            )
+            generators = row_generators(row_seeds_for(prompts, self.config.get("seed")))
+            results = decode_batch(
+                loaded,
+                prompts.prompts(),
+                rules=rules,
+                generators=generators,
+                step=step,
+                device=self._device,
+                max_batch_size=self._max_batch_size,
+            )
+        return build_generation_output(prompts, results, pad_token_id)
+
+    def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
+        batch = normalize_score_input(data, vocab_size=self._vocab_size)
+        with self._lock:
+            loaded = self._ready_model()
+            if not batch.sequences:
+                return scatter_response_logprobs(batch, [])
+            per_row = score_sequences(
+                loaded, batch, device=self._device, max_batch_size=self._max_batch_size
+            )
+        return scatter_response_logprobs(batch, per_row)
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            if self._state == "shut down":
+                raise GenerationError("the hf backend is shut down; build a new HfGeneration")
+            if self._offloaded and self._loaded is not None:
+                move_model(self._loaded.model, self._device)
+                self._offloaded = False
+            self._state = "ready"
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            if self._state != "ready":
+                return
+            self._state = "finished"
+            if self._offload_on_finish and self._loaded is not None:
+                move_model(self._loaded.model, "cpu")
+                self._offloaded = True
+            _release_device_memory(self._device)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._state == "shut down":
+                return
+            self._state = "shut down"
+            self._loaded = None
+            self._decode = None
+            gc.collect()
+            _release_device_memory(self._device)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the model's weights by checkpoint name.
+
+        Raises:
+            GenerationError: the backend is shut down.
+        """
+        with self._lock:
+            if self._loaded is None:
+                raise GenerationError("the hf backend is shut down; build a new HfGeneration")
+            model = self._loaded.model
+            return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+
+    def prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
+    ) -> None:
+        check_weights_match(state_dict_info, self._specs)
+
+    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
+        describe_weight_handles(handles)  # malformed handles are refused before anything else
+        try:
+            with self._lock:
+                model = self._model_for_update()
+                tensors = read_shared_weights(handles, expected=self._specs)
+                write_weights(model, tensors)
+        finally:
+            release_shared_weights(handles)
+
+    def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load weights from an in-process state dict (checked like an IPC update).
+
+        Args:
+            state_dict: ``{checkpoint name: tensor}``, a subset of the model's tensors, on any
+                device.
+
+        Raises:
+            WeightUpdateError: a name, shape or dtype does not match the model (nothing was
+                written), or the backend is shut down.
+        """
+        check_weights_match(state_dict_specs(state_dict), self._specs)
+        with self._lock:
+            write_weights(self._model_for_update(), state_dict.items())
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _ready_model(self) -> LoadedModel:
+        if self._state == "finished":
+            raise GenerationError(
+                "generate called after finish_generation(); call prepare_for_generation() first"
+            )
+        if self._state == "shut down" or self._loaded is None:
+            raise GenerationError("the hf backend is shut down; build a new HfGeneration")
+        return self._loaded
+
+    def _model_for_update(self) -> torch.nn.Module:
+        if self._loaded is None:
+            raise WeightUpdateError(
+                "the hf backend is shut down, so it takes no weight updates; build a new one"
+            )
+        return self._loaded.model
+
+
+def _release_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,216 @@
+"""The decoding loop: prefill once, then one token per step on the model's KV cache.
+
+Prompts are left-padded so every row's next token sits in the last column; ``position_ids``
+count each row's real tokens, so padding never shifts a row's positions and the padding layout
+of the input cannot change its result. Each step picks tokens with the reference decoding step
+(``gen_interface.sampling.select_next_tokens``) and stops rows with the call's ``StopRules``.
+Rows that finish are dropped from the batch and the cache, and so are the leading cache columns
+that only finished rows needed, so they stop costing compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from gen_interface import GenerationError, RowResult
+from gen_interface.decoding import StopRules
+from gen_interface.sampling import select_next_tokens
+from transformers import DynamicCache
+
+from gen_hf.cache import drop_leading_columns, new_group_cache
+from gen_hf.loading import LoadedModel
+
+__all__ = ["SamplingStep", "decode_batch", "decode_rows", "forward_errors"]
+
+# Id placed in padded prompt positions: masked out, it only has to be a valid embedding row.
+_FILL_ID = 0
+
+
+@dataclass(frozen=True)
+class SamplingStep:
+    """How every step of one call picks its tokens.
+
+    Attributes:
+        greedy: argmax at every step (``is_greedy`` already applied); logprobs are then raw.
+        temperature, top_k, top_p: the sampling settings (``sampling_settings_of``).
+        processed: report processed rather than raw logprobs when sampling.
+    """
+
+    greedy: bool
+    temperature: float
+    top_k: int | None
+    top_p: float
+    processed: bool
+
+
+def decode_batch(
+    loaded: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    rules: StopRules,
+    generators: Sequence[torch.Generator],
+    step: SamplingStep,
+    device: torch.device,
+    max_batch_size: int,
+) -> list[RowResult]:
+    """Generate for every prompt of a call, ``max_batch_size`` rows per group.
+
+    Rows of similar prompt length share a group, so groups carry little padding; a row's
+    result does not depend on its group (see ``decode_rows``).
+
+    Args:
+        loaded: the model.
+        prompts: the call's unpadded prompts, in input order.
+        rules, generators, step, device: as for ``decode_rows``.
+        max_batch_size: most rows per forward pass.
+
+    Returns:
+        One ``RowResult`` per prompt, in input order.
+
+    Raises:
+        GenerationError: a forward pass failed (out of memory, a kernel error).
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: dict[int, RowResult] = {}
+    with torch.inference_mode(), forward_errors():
+        for start in range(0, len(order), max_batch_size):
+            rows = order[start : start + max_batch_size]
+            group = decode_rows(
+                loaded,
+                [prompts[i] for i in rows],
+                rows,
+                rules=rules,
+                generators=generators,
+                step=step,
+                device=device,
+            )
+            results.update(zip(rows, group))
+    return [results[i] for i in range(len(prompts))]
+
+
+@contextmanager
+def forward_errors() -> Iterator[None]:
+    """Turn a failing forward pass (out of memory, a kernel error) into ``GenerationError``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise GenerationError(
+            f"the model's forward pass failed: {exc}. If memory ran out, lower "
+            "hf_cfg.max_batch_size or max_new_tokens."
+        ) from exc
+
+
+def decode_rows(
+    loaded: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    rows: Sequence[int],
+    *,
+    rules: StopRules,
+    generators: Sequence[torch.Generator],
+    step: SamplingStep,
+    device: torch.device,
+) -> list[RowResult]:
+    """Generate for a group of rows that fits one forward pass.
+
+    Args:
+        loaded: the model.
+        prompts: the group's unpadded prompts (each at least one token, shorter than the
+            context limit).
+        rows: each prompt's row index in the call, for ``rules`` and ``generators``.
+        rules: the call's stop rules.
+        generators: the call's per-row generators (indexed by call row); sampling draws from
+            them on the CPU, so a row's sample depends only on its own seed.
+        step: how tokens are picked.
+        device: the model's device.
+
+    Returns:
+        One ``RowResult`` per prompt, in the order given.
+    """
+    count = len(prompts)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    # [A, width + max_new_tokens]: ones past the prompts, so each step's mask is a view.
+    mask = torch.ones((count, width + rules.max_new_tokens), dtype=torch.int64)
+    input_ids = torch.full((count, width), _FILL_ID, dtype=torch.int64)
+    for i, prompt in enumerate(prompts):
+        pad = width - lengths[i]
+        mask[i, :pad] = 0
+        input_ids[i, pad:] = torch.as_tensor(prompt, dtype=torch.int64)
+    mask = mask.to(device)
+    input_ids = input_ids.to(device)
+    positions = (mask[:, :width].cumsum(dim=1) - 1).clamp(min=0)  # [A, width]
+
+    cache = new_group_cache(loaded.model.config, width + rules.max_new_tokens)
+    logits = _forward(loaded, input_ids, mask[:, :width], positions, cache)
+    next_position = positions[:, -1] + 1  # [A]
+    leading_pads = [width - n for n in lengths]
+    generator_of = [generators[r] for r in rows]
+
+    generated: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    truncated = [False] * count
+    active = list(range(count))  # group-local index of each row still running, batch order
+    while True:
+        sample_on = logits if step.greedy or device.type == "cpu" else logits.float().cpu()
+        tokens, chosen = select_next_tokens(
+            sample_on,
+            greedy=step.greedy,
+            temperature=step.temperature,
+            top_k=step.top_k,
+            top_p=step.top_p,
+            processed=step.processed,
+            generators=[generator_of[a] for a in active],
+        )
+        keep: list[int] = []
+        for slot, (a, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen.tolist())):
+            generated[a].append(token)
+            logprobs[a].append(logprob)
+            reason = rules.reason(rows[a], lengths[a], generated[a])
+            if reason is None:
+                keep.append(slot)
+            else:
+                truncated[a] = reason == "length"
+        if not keep:
+            break
+        tokens = tokens.to(device)
+        if len(keep) < len(active):
+            index = torch.tensor(keep, dtype=torch.int64, device=device)
+            cache.batch_select_indices(index)
+            mask, tokens, next_position = mask[index], tokens[index], next_position[index]
+            active = [active[s] for s in keep]
+            trim = min(leading_pads[a] for a in active)
+            if trim and drop_leading_columns(cache, trim):
+                mask = mask[:, trim:]
+                width -= trim
+                leading_pads = [n - trim for n in leading_pads]
+        width += 1
+        logits = _forward(loaded, tokens[:, None], mask[:, :width], next_position[:, None], cache)
+        next_position = next_position + 1
+    return [RowResult(g, lp, t) for g, lp, t in zip(generated, logprobs, truncated)]
+
+
+def _forward(
+    loaded: LoadedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+) -> torch.Tensor:
+    """Run ``input_ids`` ``[A, Q]`` through the model, extending ``cache``.
+
+    Returns:
+        The last position's logits ``[A, V]``.
+    """
+    extra = {"logits_to_keep": 1} if loaded.keeps_last_logits else {}
+    out = loaded.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        **extra,
+    )
+    return out.logits[:, -1, :]

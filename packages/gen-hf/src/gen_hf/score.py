@@ -1,0 +1,63 @@
+"""Teacher-forced raw log-probabilities of complete sequences: one forward pass per group."""
+
+from __future__ import annotations
+
+import torch
+from gen_interface.scoring import ScoreBatch
+
+from gen_hf.decode import forward_errors
+from gen_hf.loading import LoadedModel
+
+__all__ = ["score_sequences"]
+
+
+def score_sequences(
+    loaded: LoadedModel, batch: ScoreBatch, *, device: torch.device, max_batch_size: int
+) -> list[torch.Tensor]:
+    """Raw ``log_softmax`` of the model's logits at every response token.
+
+    Rows are right-padded and run ``max_batch_size`` at a time; positions start at 0 in every
+    row, as in generation.
+
+    Args:
+        loaded: the model.
+        batch: validated sequences (``normalize_score_input``).
+        device: the model's device.
+        max_batch_size: most rows per forward pass.
+
+    Returns:
+        Per row i, float32 ``[g_i]`` on the CPU: the log-probability of response token j given
+        everything before it.
+
+    Raises:
+        GenerationError: a forward pass failed (out of memory, a kernel error).
+    """
+    with torch.inference_mode(), forward_errors():
+        return _score_groups(loaded, batch, device, max_batch_size)
+
+
+def _score_groups(
+    loaded: LoadedModel, batch: ScoreBatch, device: torch.device, max_batch_size: int
+) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for start in range(0, len(batch.sequences), max_batch_size):
+        group = batch.sequences[start : start + max_batch_size]
+        prompt_lengths = batch.prompt_lengths[start : start + max_batch_size]
+        width = max(len(s) for s in group)
+        ids = torch.zeros((len(group), width), dtype=torch.int64)
+        mask = torch.zeros((len(group), width), dtype=torch.int64)
+        for i, sequence in enumerate(group):
+            ids[i, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.int64)
+            mask[i, : len(sequence)] = 1
+        logits = loaded.model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+        ).logits  # [G, width, V]
+        for i, sequence in enumerate(group):
+            p, total = prompt_lengths[i], len(sequence)
+            if total == p:
+                out.append(torch.zeros(0, dtype=torch.float32))
+                continue
+            targets = ids[i, p:total].to(device)
+            rows = logits[i, p - 1 : total - 1].float().log_softmax(dim=-1)  # [g_i, V]
+            out.append(rows.gather(1, targets[:, None]).squeeze(1).cpu())
+    return out

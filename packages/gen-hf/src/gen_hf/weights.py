@@ -1,0 +1,56 @@
+"""Writing new weights into a loaded model, after they were checked against it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from gen_interface import WeightUpdateError
+from gen_interface.weights import TensorSpecs
+
+__all__ = ["model_tensor_specs", "state_dict_specs", "write_weights"]
+
+
+def model_tensor_specs(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``{name: (shape, dtype)}`` of every tensor of ``model.state_dict()``.
+
+    These are the checkpoint (Hugging Face) names an update carries. Tied weights appear under
+    each of their names (e.g. ``model.embed_tokens.weight`` and ``lm_head.weight``), so an update
+    may use either.
+    """
+    return {name: (t.shape, t.dtype) for name, t in model.state_dict().items()}
+
+
+def state_dict_specs(state_dict: Mapping[str, torch.Tensor]) -> TensorSpecs:
+    """``{name: (shape, dtype)}`` of an in-process state dict.
+
+    Raises:
+        WeightUpdateError: a value is not a tensor.
+    """
+    specs = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(
+                f"weight update refused, nothing was written: {name!r} is a "
+                f"{type(tensor).__name__}, not a torch.Tensor"
+            )
+        specs[name] = (tensor.shape, tensor.dtype)
+    return specs
+
+
+def write_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy each ``(name, tensor)`` into the model's tensor of that name, in place.
+
+    The caller has checked names, shapes and dtypes (``check_weights_match``). Tensors on
+    another device (shared-memory CPU buckets for a CUDA model) are copied across.
+
+    Returns:
+        The number of tensors written.
+    """
+    targets = model.state_dict()
+    written = 0
+    with torch.no_grad():
+        for name, tensor in tensors:
+            targets[name].copy_(tensor)
+            written += 1
+    return written
