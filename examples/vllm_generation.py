@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoTokenizer
-
 from gen_interface import BatchedDataDict, configure_generation_config
 from gen_vllm import RayVirtualCluster, VllmConfig, VllmGeneration
+from transformers import AutoTokenizer
 
 
 def get_tokenizer(model_name: str):

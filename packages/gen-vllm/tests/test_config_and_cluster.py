@@ -1,5 +1,4 @@
 import pytest
-
 from gen_interface import BackendUnavailableError, GenerationConfigError
 from gen_vllm.config import VLLM_CFG_DEFAULTS, complete_vllm_config
 from gen_vllm.engine_args import engine_args_for

@@ -2,7 +2,6 @@
 logprob modes."""
 
 import pytest
-
 from gen_testkit.conformance import ConformanceSubject, GenerationConformanceSuite
 
 

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-
 from gen_interface import BackendUnavailableError, GenerationError
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from gen_interface import WeightUpdateError
 from gen_interface.weights import share_weights
 from gen_testkit.strategies import pad_prompts
@@ -63,5 +62,5 @@ def test_refit_info_is_checked_at_set_up(backend, tiny_qwen2):
     info = {k: (v.shape, v.dtype) for k, v in tiny_qwen2.state_dict().items()}
     backend.prepare_refit_info(info)
     info["model.norm.weight"] = (torch.Size([7]), torch.float32)
-    with pytest.raises(WeightUpdateError, match="model.norm.weight"):
+    with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight"):
         backend.prepare_refit_info(info)

@@ -50,11 +50,16 @@ class RayVirtualCluster:
             bundles (at least 1).
         name: a prefix for the placement groups' names.
         address: a Ray cluster to join (``"auto"``, ``"ray://host:port"``); default: the running
-            one, or ``RAY_ADDRESS``, or a new local Ray that ``shutdown()`` stops.
+            one, or ``RAY_ADDRESS``, or a new local Ray, which the last cluster using it stops at
+            its ``shutdown()``.
 
     Raises:
         BackendUnavailableError: Ray cannot start or join, or the resources are not there.
     """
+
+    # A Ray that clusters of this process started is stopped by the last of them to shut down.
+    _own_ray = False
+    _own_ray_users = 0
 
     def __init__(
         self,
@@ -80,9 +85,11 @@ class RayVirtualCluster:
         # copy of the working directory (minutes, and network access). Workers on this machine
         # already share the driver's interpreter, so keep them on it unless the user says not to.
         os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        # Ray's default worker niceness (15) suits background tasks, not an inference engine.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         import ray
 
-        self._started_ray = False
+        self._uses_own_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
             try:
@@ -90,9 +97,12 @@ class RayVirtualCluster:
                     ray.init(address=address, log_to_driver=True)
                 else:
                     ray.init(include_dashboard=False, log_to_driver=True)
-                    self._started_ray = True
+                    RayVirtualCluster._own_ray = True
             except Exception as exc:  # Ray raises many types; all mean "no cluster"
                 raise BackendUnavailableError(f"could not start or join Ray: {exc}") from exc
+        if RayVirtualCluster._own_ray:
+            RayVirtualCluster._own_ray_users += 1
+            self._uses_own_ray = True
         self.bundle_ct_per_node_list = list(bundle_ct_per_node_list)
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.name = name
@@ -158,7 +168,8 @@ class RayVirtualCluster:
         )
 
     def shutdown(self) -> None:
-        """Remove the placement groups, and stop Ray if this cluster started it. Idempotent."""
+        """Remove the placement groups; stop Ray when it was started here and no other cluster
+        uses it. Idempotent."""
         import ray
 
         if not ray.is_initialized():
@@ -171,9 +182,12 @@ class RayVirtualCluster:
             except Exception as exc:  # already removed, or Ray going down
                 logger.debug("placement group removal: %s", exc)
         self._placement_groups = []
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
+        if self._uses_own_ray:
+            self._uses_own_ray = False
+            RayVirtualCluster._own_ray_users -= 1
+            if RayVirtualCluster._own_ray_users == 0:
+                RayVirtualCluster._own_ray = False
+                ray.shutdown()
 
     def __enter__(self) -> RayVirtualCluster:
         return self

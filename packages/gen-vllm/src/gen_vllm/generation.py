@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from gen_interface import (
     BackendCapabilities,
     BackendUnavailableError,
     BatchedDataDict,
+    GenerationConfigError,
     GenerationDatumSpec,
     GenerationError,
     GenerationInputError,
@@ -47,6 +49,16 @@ State = Literal["ready", "finished", "shut down", "broken"]
 # replicas run the same weights, packed kernels included.
 _PROBE = list(range(3, 35))
 
+_PER_REQUEST_SETTINGS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "stop_strings",
+    "seed",
+}
+
 
 class VllmGeneration(GenerationInterface):
     """vLLM engines as Ray actors, one per data-parallel replica.
@@ -70,6 +82,7 @@ class VllmGeneration(GenerationInterface):
         self.config = complete_vllm_config(config)
         self.cluster = cluster
         self._owned_cluster: RayVirtualCluster | None = None
+        self._owner: VllmGeneration | None = None  # set on with_sampling's front ends
         self._lock = threading.Lock()
         self._state: State = "ready"
         tp = self.config["vllm_cfg"]["tensor_parallel_size"]
@@ -116,6 +129,29 @@ class VllmGeneration(GenerationInterface):
             raise
         backend._owned_cluster = owned
         return backend
+
+    def with_sampling(self, **overrides: Any) -> VllmGeneration:
+        """Another front end on the same engines, with other per-request settings.
+
+        For evaluation with other sampling settings than training, without a second set of
+        engines. Only settings vLLM takes per request may change: ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``stop_strings``, ``seed``.
+        The new front end shares the engines' lifecycle and weights; shutting it down leaves
+        the engines to their owner.
+
+        Raises:
+            GenerationConfigError: an override names an engine-level setting, or is out of range.
+        """
+        engine_level = sorted(set(overrides) - _PER_REQUEST_SETTINGS)
+        if engine_level:
+            raise GenerationConfigError(
+                f"with_sampling cannot change {engine_level}: they are engine settings; "
+                f"it changes {sorted(_PER_REQUEST_SETTINGS)}"
+            )
+        view = copy.copy(self)
+        view.config = complete_vllm_config({**self.config, **overrides})
+        view._owner = self
+        return view
 
     @property
     def num_replicas(self) -> int:
@@ -234,7 +270,13 @@ class VllmGeneration(GenerationInterface):
             self._state = "finished"
 
     def shutdown(self) -> None:
-        """Stop every engine and actor; remove the cluster if this backend made it. Idempotent."""
+        """Stop every engine and actor; remove the cluster if this backend made it. Idempotent.
+
+        A front end made by ``with_sampling`` only stops being usable itself."""
+        if self._owner is not None:
+            self._owner = None
+            self._state = "shut down"
+            return
         with self._lock:
             if self._state == "shut down":
                 return

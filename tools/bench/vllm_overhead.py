@@ -1,0 +1,230 @@
+"""What the Ray orchestration costs: VllmGeneration against a bare vllm.LLM, side by side.
+
+    uv run python tools/bench/vllm_overhead.py [--model DIR] [--batch 32] [--prompt 32] [--new 64]
+
+On one model and one set of inputs, in one run: tokens per second of a bare ``vllm.LLM.generate``
+(in this process, the same engine settings), of ``VllmGeneration`` with one replica, and of
+``VllmGeneration`` with two replicas. Sampled generation with a seed per row, exactly ``--new``
+tokens per row (no stop tokens), float32.
+
+Start-up is timed in fresh processes, from the interpreter's start to the first generated token:
+a bare ``vllm.LLM``; ``VllmGeneration`` starting Ray itself; and ``VllmGeneration`` joining a
+Ray that is already running (as under a Ray-based trainer). Prints tables and the ratios.
+Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import torch
+from gen_interface import BatchedDataDict
+
+_BARE_START = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+          kv_cache_memory_bytes=int(float(sys.argv[2]) * (1 << 30)), seed=0)
+params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False)
+llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)  # as VllmGeneration asks
+print("FIRST TOKEN", flush=True)
+"""
+
+_OURS_START = """
+import os, sys
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+import torch
+from gen_interface import BatchedDataDict
+from gen_vllm import RayVirtualCluster, VllmGeneration
+if sys.argv[3] == "join":
+    import ray
+    ray.init(address="auto", log_to_driver=False)
+cluster = RayVirtualCluster([1])
+config = {"backend": "vllm", "model_name": sys.argv[1], "max_new_tokens": 1, "temperature": 1.0,
+          "top_p": 1.0, "stop_token_ids": [], "pad_token_id": 0, "dtype": "float32",
+          "vllm_cfg": {"cpu_kv_cache_gib": float(sys.argv[2])}}
+backend = VllmGeneration(cluster, config)
+backend.generate(BatchedDataDict(input_ids=torch.tensor([[5, 6, 7]]),
+                                 input_lengths=torch.tensor([3])), greedy=True)
+print("FIRST TOKEN", flush=True)
+backend.shutdown()
+cluster.shutdown()
+"""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model directory (default: the bench-50m tiny model)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-gib", type=float, default=1.0)
+    return parser.parse_args()
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_bare(model: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
+        seed=0,
+    )
+    params = [
+        SamplingParams(
+            max_tokens=args.new,
+            temperature=1.0,
+            seed=i,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        )
+        for i in range(len(prompts))
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+
+    def run() -> None:
+        llm.reset_prefix_cache()
+        llm.generate(requests, params, use_tqdm=False)
+
+    return timed(run, args.repeats)
+
+
+def bench_gen_vllm(
+    model: str, batch: BatchedDataDict, replicas: int, args: argparse.Namespace
+) -> float:
+    import ray
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    config = {
+        "backend": "vllm",
+        "model_name": model,
+        "max_new_tokens": args.new,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": [],
+        "pad_token_id": 0,
+        "seed": 0,
+        "dtype": "float32",
+        "logprobs_mode": "raw",
+        "colocated": {"enabled": False},
+        "vllm_cfg": {"cpu_kv_cache_gib": args.kv_gib},
+    }
+    cluster = RayVirtualCluster([replicas])
+    backend = VllmGeneration(cluster, config)
+
+    def run() -> None:
+        backend.finish_generation()  # resets the prefix cache, as the bare run does
+        backend.prepare_for_generation()
+        out = backend.generate(batch, greedy=False)
+        assert int(out["generation_lengths"].sum()) == len(batch["input_ids"]) * args.new
+
+    seconds = timed(run, args.repeats)
+    backend.shutdown()
+    cluster.shutdown()
+    assert not ray.is_initialized()
+    return seconds
+
+
+def startup_seconds(script: str, *argv: str) -> float:
+    """Seconds from starting a fresh interpreter to its printing FIRST TOKEN."""
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("FIRST TOKEN"):
+            elapsed = time.perf_counter() - start
+            process.wait(timeout=300)
+            return elapsed
+    raise RuntimeError(f"start-up run failed with exit code {process.wait()}")
+
+
+def bench_startups(model: str, args: argparse.Namespace) -> dict[str, float]:
+    kv = str(args.kv_gib)
+    runs = range(args.repeats)
+    out = {
+        "bare vllm.LLM": statistics.median(startup_seconds(_BARE_START, model, kv) for _ in runs),
+        "VllmGeneration, starting Ray": statistics.median(
+            startup_seconds(_OURS_START, model, kv, "start") for _ in runs
+        ),
+    }
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    start_ray = [ray_cli, "start", "--head", "--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run(start_ray, check=True, capture_output=True, env=env)
+    try:
+        out["VllmGeneration, Ray running"] = statistics.median(
+            startup_seconds(_OURS_START, model, kv, "join") for _ in runs
+        )
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], check=False, capture_output=True)
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    if args.model is None:
+        from gen_testkit.models import build_tiny_model
+
+        args.model = str(build_tiny_model("bench-50m").path)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 8000, (args.batch, args.prompt), generator=generator)
+    batch = BatchedDataDict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    tokens = args.batch * args.new
+    print(
+        f"model {args.model}\nbatch {args.batch}, prompt {args.prompt}, new {args.new}, "
+        f"float32, median of {args.repeats} after a warm-up",
+        flush=True,
+    )
+    bare_s = bench_bare(args.model, ids.tolist(), args)
+    gc.collect()  # the bare engine goes before the next ones start
+    one_s = bench_gen_vllm(args.model, batch, 1, args)
+    two_s = bench_gen_vllm(args.model, batch, 2, args)
+    startups = bench_startups(args.model, args)
+
+    print("\n| engine | tok/s | vs bare |\n|---|---|---|")
+    for name, seconds in (
+        ("bare vllm.LLM", bare_s),
+        ("VllmGeneration, 1 replica", one_s),
+        ("VllmGeneration, 2 replicas", two_s),
+    ):
+        print(f"| {name} | {tokens / seconds:.0f} | {bare_s / seconds:.3f} |")
+    print("\n| start-up, fresh process to first token | s | vs bare |\n|---|---|---|")
+    for name, seconds in startups.items():
+        print(f"| {name} | {seconds:.1f} | {seconds / startups['bare vllm.LLM']:.2f} |")
+    print(f"\nthroughput, 1 replica / bare: {bare_s / one_s:.3f} (target >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()
