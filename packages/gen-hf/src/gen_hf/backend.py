@@ -7,6 +7,7 @@ layout) on the model's own forward pass and KV cache; see ``decode.py`` for the 
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 from collections.abc import Mapping
@@ -55,6 +56,16 @@ __all__ = ["HfGeneration"]
 
 State = Literal["ready", "finished", "shut down"]
 
+_PER_CALL_SETTINGS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "stop_strings",
+    "seed",
+}
+
 
 class HfGeneration(GenerationInterface):
     """Any causal LM that ``AutoModelForCausalLM`` loads, on CUDA when present, else the CPU.
@@ -98,7 +109,31 @@ class HfGeneration(GenerationInterface):
         )
         self._offloaded = False
         self._state: State = "ready"
+        self._is_view = False  # a with_sampling front end, which does not own the model
         self._lock = threading.Lock()
+
+    def with_sampling(self, **overrides: Any) -> HfGeneration:
+        """Another front end on the same loaded model, with other per-call settings.
+
+        Only ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
+        ``stop_strings`` and ``seed`` may change. The front end shares the model and its weights
+        (updates through either reach both) but has its own lifecycle state; shutting it down
+        leaves the model to its owner.
+
+        Raises:
+            GenerationConfigError: an override names another setting, or is out of range.
+        """
+        other = sorted(set(overrides) - _PER_CALL_SETTINGS)
+        if other:
+            raise GenerationConfigError(
+                f"with_sampling cannot change {other}; it changes {sorted(_PER_CALL_SETTINGS)}"
+            )
+        view = copy.copy(self)
+        view.config = complete_hf_config({**self.config, **overrides})
+        if view.config.get("stop_strings") and view._decode is None:
+            raise GenerationConfigError("stop_strings need a tokenizer and this model has none")
+        view._is_view = True
+        return view
 
     @property
     def device(self) -> torch.device:
@@ -212,6 +247,9 @@ class HfGeneration(GenerationInterface):
             _release_device_memory(self._device)
 
     def shutdown(self) -> None:
+        if self._is_view:
+            self._state = "shut down"
+            return
         with self._lock:
             if self._state == "shut down":
                 return

@@ -7,10 +7,13 @@ Two kinds of comparison, each per dtype:
 - ``ACROSS_BACKENDS``: two backends on the same model and inputs (different kernels).
 
 ``logprob_atol`` bounds raw log-probabilities of the same token after the same prefix;
-``processed_logprob_atol`` the processed ones (their renormalisation amplifies differences);
+``processed_logprob_atol`` the processed ones (their renormalisation amplifies differences,
+most where the top-p cut-off moves);
 ``near_tie`` is the top-2 log-probability margin below which two greedy decoders may
-legitimately pick different tokens. Every value was measured on this project's tiny models; see
-the parity package's README for the runs behind them.
+legitimately pick different tokens; ``support_slack`` is the fraction of sampled tokens that may
+fall outside the exact top-k/top-p support (a reduced-precision backend sees slightly different
+logits, so the filters' edges move; float32 allows none). Every value was measured on this
+project's tiny models; the testkit's README gives the runs behind them.
 """
 
 from __future__ import annotations
@@ -27,18 +30,34 @@ class Tolerance:
     logprob_atol: float
     processed_logprob_atol: float
     near_tie: float
+    support_slack: float = 0.0
 
+
+# Measured with tools/parity/measure_tolerances.py (40 random batches, 233 rows, about 2,400
+# generated tokens per dtype, tiny-qwen2, hf and vllm on CPU); largest values seen:
+#   float32   within: 1.19e-5 (hf; vllm bit-exact), no token splits
+#             across: teacher-forced 1.05e-5, processed vs exact 1.79e-5, no greedy splits
+#   bfloat16  within: 3.23e-2, split gap 3.17e-2
+#             across: teacher-forced 0.201, processed 0.487, split gap 0.156, 1.0% off-support
+#   float16   within: 8.07e-3, split gap 4.1e-3
+#             across: teacher-forced 2.27e-2, processed 0.687, split gap 3.9e-3, 0.1% off-support
+# Each bound is the largest value seen, rounded up. In float32 the floor is the model itself: a
+# float32 forward pass of these models differs from a float64 one by up to 1.05e-5.
 
 WITHIN_BACKEND: dict[str, Tolerance] = {
-    "float32": Tolerance(logprob_atol=1e-5, processed_logprob_atol=1e-4, near_tie=1e-4),
-    "bfloat16": Tolerance(logprob_atol=5e-2, processed_logprob_atol=1e-1, near_tie=1e-1),
-    "float16": Tolerance(logprob_atol=1e-2, processed_logprob_atol=2e-2, near_tie=2e-2),
+    "float32": Tolerance(logprob_atol=2e-5, processed_logprob_atol=5e-5, near_tie=1e-4),
+    "bfloat16": Tolerance(logprob_atol=5e-2, processed_logprob_atol=1e-1, near_tie=5e-2),
+    "float16": Tolerance(logprob_atol=1e-2, processed_logprob_atol=2e-2, near_tie=1e-2),
 }
 
 ACROSS_BACKENDS: dict[str, Tolerance] = {
-    "float32": Tolerance(logprob_atol=1e-5, processed_logprob_atol=1e-4, near_tie=1e-4),
-    "bfloat16": Tolerance(logprob_atol=1e-1, processed_logprob_atol=2e-1, near_tie=2e-1),
-    "float16": Tolerance(logprob_atol=2e-2, processed_logprob_atol=5e-2, near_tie=5e-2),
+    "float32": Tolerance(logprob_atol=2e-5, processed_logprob_atol=5e-5, near_tie=1e-4),
+    "bfloat16": Tolerance(
+        logprob_atol=2.5e-1, processed_logprob_atol=6e-1, near_tie=2e-1, support_slack=0.05
+    ),
+    "float16": Tolerance(
+        logprob_atol=5e-2, processed_logprob_atol=7.5e-1, near_tie=1e-2, support_slack=0.02
+    ),
 }
 
 

@@ -46,7 +46,7 @@ class RayVirtualCluster:
         num_gpus_per_node: GPUs per node, for checking the request (default: what Ray sees).
         max_colocated_worker_groups: how many worker groups may share each bundle (e.g. a
             trainer and generation): each gets ``1 / max_colocated_worker_groups`` of a GPU.
-        num_cpus_per_bundle: CPUs per bundle; default: the node's CPUs divided among its
+        num_cpus_per_bundle: CPUs per bundle; default: the node's free CPUs divided among its
             bundles (at least 1).
         name: a prefix for the placement groups' names.
         address: a Ray cluster to join (``"auto"``, ``"ray://host:port"``); default: the running
@@ -120,7 +120,10 @@ class RayVirtualCluster:
                     f"{too_many[0]} bundles asked on a node of {num_gpus_per_node} GPUs"
                 )
         nodes = max(1, len([n for n in ray.nodes() if n.get("Alive")]))
-        cpus_per_node = resources.get("CPU", 1) / nodes
+        # CPUs other work (e.g. another cluster in this Ray) already holds are not offered.
+        cpus_per_node = min(
+            resources.get("CPU", 1) / nodes, ray.available_resources().get("CPU", 1)
+        )
         self._placement_groups: list[PlacementGroup] = []
         self.bundles: list[Bundle] = []
         from ray.util.placement_group import placement_group

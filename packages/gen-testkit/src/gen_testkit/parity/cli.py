@@ -1,0 +1,129 @@
+"""``gen-parity``: every installed backend through the interface, on one model, side by side.
+
+    uv run gen-parity                       # a tiny random model, every installed backend
+    uv run gen-parity --model DIR --backends hf,vllm --dtype bfloat16 --json parity.json
+
+Exits 0 when every pair passes its tolerances, 1 when one does not, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from gen_interface import available_backends, configure_generation_config, create_generation_backend
+
+from gen_testkit.parity.oracle import HfLogitsOracle
+from gen_testkit.parity.report import format_table
+from gen_testkit.parity.runner import SIGNIFICANCE, PairReport, TimedBackend, run_pair
+from gen_testkit.parity.workload import PARITY_SETTINGS, parity_batches, sampling_plan
+from gen_testkit.tolerances import tolerance_for
+
+__all__ = ["main"]
+
+#: Backends that load Hugging Face models, in the order they are preferred as the reference.
+MODEL_BACKENDS = ("hf", "vllm")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gen-parity", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="local Hugging Face model directory (default: tiny Qwen2)")
+    parser.add_argument(
+        "--backends", help="comma-separated backend names (default: every installed one)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--samples", type=int, default=600, help="samples per sampling prefix")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
+
+    installed = [name for name in MODEL_BACKENDS if name in available_backends()]
+    names = args.backends.split(",") if args.backends else installed
+    unknown = [n for n in names if n not in installed]
+    if unknown or not names:
+        print(
+            f"gen-parity: cannot run {unknown or names}; installed model backends: {installed}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.model is None:
+        from gen_testkit.models import build_tiny_model
+
+        progress("building (or reusing) the tiny-qwen2 model")
+        args.model = str(build_tiny_model("tiny-qwen2").path)
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    vocab_size = AutoConfig.from_pretrained(args.model).vocab_size
+    backends: list[TimedBackend] = []
+    reports: list[PairReport] = []
+    try:
+        for name in names:
+            progress(f"starting backend {name} ({args.dtype})")
+            config = configure_generation_config(
+                {"backend": name, "model_name": args.model, "dtype": args.dtype, **PARITY_SETTINGS},
+                tokenizer,
+            )
+            backends.append(TimedBackend(name, create_generation_backend(config)))
+        progress(f"loading the exact logits (a transformers forward pass, {args.dtype})")
+        oracle = HfLogitsOracle(args.model, args.dtype)
+        batches = parity_batches(vocab_size)
+        plan = sampling_plan(vocab_size, args.samples)
+        reference = backends[0]
+        # A single backend is compared with itself: still checks it against the exact logits.
+        others = backends[1:] or [TimedBackend(f"{reference.name}'", reference.backend)]
+        for candidate in others:
+            progress(f"comparing {candidate.name} with {reference.name}")
+            reports.append(
+                run_pair(
+                    reference,
+                    candidate,
+                    oracle=oracle,
+                    batches=batches,
+                    plan=plan,
+                    tolerance=tolerance_for(args.dtype, across_backends=True),
+                    dtype=args.dtype,
+                    progress=progress,
+                )
+            )
+    finally:
+        for timed in backends:
+            timed.backend.shutdown()
+
+    print()
+    print(format_table(reports))
+    print(
+        f"\nsampling: chi-square goodness of fit, significance {SIGNIFICANCE:g}; "
+        f"tolerances ({args.dtype}): {vars(reports[0].tolerance)}"
+    )
+    for report in reports:
+        for failure in report.failures:
+            print(f"FAIL {report.reference} vs {report.candidate}: {failure}")
+    if args.json:
+        payload: dict[str, Any] = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "settings": PARITY_SETTINGS,
+            "seconds": time.perf_counter() - started,
+            "pairs": [r.as_dict() for r in reports],
+        }
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+        progress(f"wrote {args.json}")
+    progress("done")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The parity table printed by ``gen-parity``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gen_testkit.parity.runner import PairReport
+
+__all__ = ["format_table"]
+
+_COLUMNS = (
+    "pair",
+    "dtype",
+    "rows",
+    "greedy agree / near-tie / differ",
+    "teacher-forced max|d| mean|d| mean e^|d|",
+    "processed max|d| (ref, cand)",
+    "sampling p-values (ref; cand)",
+    "tok/s (ref, cand)",
+    "result",
+)
+
+
+def format_table(reports: Sequence[PairReport]) -> str:
+    """A Markdown table, one row per backend pair."""
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    for r in reports:
+        names = (r.reference, r.candidate)
+        tf = r.teacher_forced
+        cells = [
+            f"{r.reference} vs {r.candidate}",
+            r.dtype,
+            str(r.rows),
+            f"{r.greedy.agree} / {r.greedy.near_ties} / {r.greedy.mismatches}",
+            f"{tf.max_abs:.2e} {tf.mean_abs:.2e} {tf.mean_exp_abs:.7f}",
+            ", ".join(f"{r.processed[n].max_abs:.2e}" for n in names if n in r.processed),
+            "; ".join(
+                " ".join(f"{fit.p_value:.3f}" for fit in r.sampling.get(n, [])) for n in names
+            ),
+            ", ".join(f"{r.tokens_per_s.get(n, 0):.0f}" for n in names),
+            "PASS" if r.ok else "FAIL",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

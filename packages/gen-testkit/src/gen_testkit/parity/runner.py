@@ -1,0 +1,289 @@
+"""Run two backends through the interface on the same model and inputs, and measure them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gen_interface import BatchedDataDict, GenerationInterface, sampling_settings_of
+from gen_interface.sampling import processed_log_probs
+
+from gen_testkit.parity.metrics import (
+    GreedyAgreement,
+    LogprobError,
+    SamplingFit,
+    chi_square_fit,
+    greedy_agreement,
+    logprob_error,
+    score_outputs,
+)
+from gen_testkit.parity.oracle import LogitsOracle, processed_distribution
+from gen_testkit.parity.workload import ParityBatch, SamplingPlan
+from gen_testkit.properties import check_layout, check_prompt_kept
+from gen_testkit.tolerances import Tolerance
+
+__all__ = [
+    "SIGNIFICANCE",
+    "PairReport",
+    "TimedBackend",
+    "compare_batch",
+    "compare_sampling",
+    "processed_error",
+    "run_pair",
+]
+
+#: Significance level of the sampling goodness-of-fit tests: a backend fails when its samples
+#: are this unlikely under the exact distribution.
+SIGNIFICANCE = 1e-3
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class TimedBackend:
+    """A backend with the time it spent generating and the tokens it generated."""
+
+    name: str
+    backend: GenerationInterface
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+        start = time.perf_counter()
+        output = self.backend.generate(data, greedy=greedy)
+        self.seconds += time.perf_counter() - start
+        self.tokens += int(output["generation_lengths"].sum())
+        return output
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class PairReport:
+    """Everything measured for one backend pair; ``failures`` says what broke a tolerance."""
+
+    reference: str
+    candidate: str
+    dtype: str
+    tolerance: Tolerance
+    rows: int = 0
+    greedy: GreedyAgreement = field(default_factory=GreedyAgreement)
+    teacher_forced: LogprobError = field(default_factory=LogprobError)
+    processed: dict[str, LogprobError] = field(default_factory=dict)
+    processed_outside_support: dict[str, int] = field(default_factory=dict)
+    sampling: dict[str, list[SamplingFit]] = field(default_factory=dict)
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def judge(self) -> None:
+        """Fill ``failures`` from the tolerances and the significance level."""
+        t = self.tolerance
+        if self.greedy.mismatches:
+            self.failures.append(
+                f"{self.greedy.mismatches} greedy rows differ beyond near-ties: "
+                + "; ".join(self.greedy.details[:3])
+            )
+        if self.teacher_forced.max_abs > t.logprob_atol:
+            self.failures.append(
+                f"teacher-forced logprobs differ by {self.teacher_forced.max_abs:.3g} "
+                f"> {t.logprob_atol:g}"
+            )
+        for name, error in self.processed.items():
+            if error.max_abs > t.processed_logprob_atol:
+                self.failures.append(
+                    f"{name}: processed logprobs off the exact distribution by "
+                    f"{error.max_abs:.3g} > {t.processed_logprob_atol:g}"
+                )
+            outside = self.processed_outside_support.get(name, 0)
+            # reduced precision: a small share, plus two for small samples
+            allowed = t.support_slack * (error.count + outside) + (2 if t.support_slack else 0)
+            if outside > allowed:
+                self.failures.append(
+                    f"{name}: sampled {outside} of {error.count + outside} tokens outside the "
+                    f"exact distribution's support (allowed: {t.support_slack:.0%})"
+                )
+        for name, fits in self.sampling.items():
+            for k, fit in enumerate(fits):
+                if fit.p_value < SIGNIFICANCE:
+                    self.failures.append(
+                        f"{name}: samples after prefix {k} do not fit the exact distribution "
+                        f"(chi-square p = {fit.p_value:.2g} < {SIGNIFICANCE:g}, "
+                        f"{fit.outside_support} outside its support)"
+                    )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "dtype": self.dtype,
+            "rows": self.rows,
+            "ok": self.ok,
+            "failures": self.failures,
+            "tolerance": vars(self.tolerance),
+            "significance": SIGNIFICANCE,
+            "greedy": {
+                "rows": self.greedy.rows,
+                "agree": self.greedy.agree,
+                "near_ties": self.greedy.near_ties,
+                "mismatches": self.greedy.mismatches,
+                "details": self.greedy.details,
+                "largest_split_gap": max(self.greedy.split_gaps, default=0.0),
+            },
+            "teacher_forced": self.teacher_forced.summary(),
+            "processed": {k: v.summary() for k, v in self.processed.items()},
+            "processed_outside_support": self.processed_outside_support,
+            "sampling": {k: [f.as_dict() for f in v] for k, v in self.sampling.items()},
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def processed_error(
+    output: Mapping[str, Any],
+    prompt_lengths: Sequence[int],
+    oracle: LogitsOracle,
+    config: Mapping[str, Any],
+) -> tuple[LogprobError, int]:
+    """How far a sampled output's reported (processed) logprobs are from the exact processed
+    distribution, and how many of its tokens that distribution excludes."""
+    temperature, top_k, top_p = sampling_settings_of(config)  # type: ignore[arg-type]
+    error, outside = LogprobError(), 0
+    for i, start in enumerate(prompt_lengths):
+        end = int(output["unpadded_sequence_lengths"][i])
+        if end == start:
+            continue
+        sequence = output["output_ids"][i, :end].tolist()
+        logits = oracle.sequence_logits(sequence[:-1])[start - 1 : end - 1]
+        exact = processed_log_probs(logits, temperature, top_k, top_p)
+        tokens = torch.tensor(sequence[start:end])
+        expected = exact.gather(1, tokens[:, None]).squeeze(1)
+        reported = output["logprobs"][i, start:end]
+        inside = torch.isfinite(expected)
+        outside += int((~inside).sum())
+        error.add_values(reported[inside], expected[inside])
+    return error, outside
+
+
+def run_pair(
+    reference: TimedBackend,
+    candidate: TimedBackend,
+    *,
+    oracle: LogitsOracle,
+    batches: Sequence[ParityBatch],
+    plan: SamplingPlan | None,
+    tolerance: Tolerance,
+    dtype: str,
+    progress: Progress = lambda message: None,
+) -> PairReport:
+    """Compare ``candidate`` with ``reference``: greedy agreement, teacher-forced logprobs on
+    each other's outputs, processed logprobs and sampled first tokens against ``oracle``."""
+    report = PairReport(reference.name, candidate.name, dtype, tolerance)
+    for index, batch in enumerate(batches, 1):
+        progress(f"batch {index}/{len(batches)}: {len(batch.prompts)} rows")
+        compare_batch(report, reference, candidate, batch, oracle)
+    if plan is not None:
+        compare_sampling(report, reference, candidate, plan, oracle, progress)
+    report.tokens_per_s = {b.name: b.tokens_per_s for b in (reference, candidate)}
+    report.judge()
+    return report
+
+
+def compare_batch(
+    report: PairReport,
+    reference: TimedBackend,
+    candidate: TimedBackend,
+    batch: ParityBatch,
+    oracle: LogitsOracle,
+) -> None:
+    """Add one batch's greedy, teacher-forced and processed-logprob measurements to ``report``.
+
+    Reported raw logprobs (greedy rows, and sampled rows in raw mode) are compared with the other
+    backend's teacher forcing; reported processed logprobs with the exact distribution.
+    """
+    pair = (reference, candidate)
+    for timed in pair:
+        report.processed.setdefault(timed.name, LogprobError())
+        report.processed_outside_support.setdefault(timed.name, 0)
+    greedy = [b.generate(batch.data, greedy=True) for b in pair]
+    sampled = [b.generate(batch.data, greedy=False) for b in pair]
+    broken = _layout_problems(pair, batch, (*greedy, *sampled))
+    if broken:
+        report.failures.extend(broken)
+        return
+    report.greedy.add(
+        greedy_agreement(
+            reference.backend,
+            greedy[0],
+            greedy[1],
+            batch.prompt_lengths,
+            report.tolerance.near_tie,
+        )
+    )
+    for output in (*greedy, *sampled):
+        scores = [score_outputs(b.backend, output, batch.prompt_lengths) for b in pair]
+        report.teacher_forced.add(logprob_error(scores[0], scores[1], output, batch.prompt_lengths))
+    raw_outputs = list(zip(greedy, reversed(pair)))
+    for timed, output in zip(pair, sampled):
+        if timed.backend.config.get("logprobs_mode") == "processed":
+            error, outside = processed_error(
+                output, batch.prompt_lengths, oracle, timed.backend.config
+            )
+            report.processed[timed.name].add(error)
+            report.processed_outside_support[timed.name] += outside
+        else:
+            raw_outputs.append((output, pair[1] if timed is pair[0] else pair[0]))
+    for mine, other in raw_outputs:
+        # a backend's own reported raw logprobs against the other's teacher forcing
+        theirs = score_outputs(other.backend, mine, batch.prompt_lengths)
+        report.teacher_forced.add(
+            logprob_error(mine["logprobs"], theirs, mine, batch.prompt_lengths)
+        )
+    report.rows += len(batch.prompts)
+
+
+def compare_sampling(
+    report: PairReport,
+    reference: TimedBackend,
+    candidate: TimedBackend,
+    plan: SamplingPlan,
+    oracle: LogitsOracle,
+    progress: Progress = lambda message: None,
+) -> None:
+    """Test many sampled first tokens of each backend against the exact distribution."""
+    temperature, top_k, top_p = sampling_settings_of(reference.backend.config)
+    for k, prefix in enumerate(plan.prefixes, 1):
+        progress(
+            f"sampling {plan.samples_per_prefix} first tokens after prefix {k}/{len(plan.prefixes)}"
+        )
+        probs = processed_distribution(
+            oracle.next_token_logits([prefix]), temperature, top_k, top_p
+        )[0]
+        for timed in (reference, candidate):
+            output = timed.generate(plan.batch(prefix), greedy=False)
+            first = output["output_ids"][:, len(prefix)].tolist()
+            report.sampling.setdefault(timed.name, []).append(
+                chi_square_fit(first, probs, support_slack=report.tolerance.support_slack)
+            )
+
+
+def _layout_problems(
+    pair: Sequence[TimedBackend], batch: ParityBatch, outputs: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """Layout rules the metrics rely on (rows in order, prompts kept); one line per break."""
+    problems = []
+    for index, output in enumerate(outputs):
+        name = pair[index % 2].name
+        try:
+            check_layout(batch.prompts, output)
+            check_prompt_kept(batch.prompts, output)
+        except AssertionError as exc:
+            problems.append(f"{name}: output layout broken ({exc}); rows out of order?")
+    return problems

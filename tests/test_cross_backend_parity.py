@@ -1,0 +1,89 @@
+"""Every installed backend pair, on hypothesis-drawn batches and sampling settings, agrees
+within the tolerances of ``gen_testkit.tolerances`` (per dtype, one place)."""
+
+from __future__ import annotations
+
+import pytest
+from gen_interface import available_backends
+from gen_testkit.parity import HfLogitsOracle, PairReport, TimedBackend
+from gen_testkit.parity.runner import compare_batch
+from gen_testkit.parity.workload import ParityBatch
+from gen_testkit.strategies import generation_batches
+from gen_testkit.tolerances import tolerance_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+#: Backends that load Hugging Face models, the reference first.
+MODEL_BACKENDS = [name for name in ("hf", "vllm") if name in available_backends()]
+PAIRS = [(MODEL_BACKENDS[0], other) for other in MODEL_BACKENDS[1:]]
+#: Examples per dtype: bfloat16 runs several times slower on CPUs.
+EXAMPLES = {"float32": 12, "bfloat16": 4}
+
+pytestmark = pytest.mark.skipif(not PAIRS, reason="needs two backends that load HF models")
+
+
+@pytest.fixture(scope="module")
+def oracles(tiny_qwen2):
+    cache: dict[str, HfLogitsOracle] = {}
+
+    def get(dtype: str) -> HfLogitsOracle:
+        if dtype not in cache:
+            cache[dtype] = HfLogitsOracle(str(tiny_qwen2.path), dtype)
+        return cache[dtype]
+
+    return get
+
+
+def _sampling(vocab_size: int) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries(
+        {
+            "max_new_tokens": st.integers(1, 12),
+            "temperature": st.floats(0.3, 1.5),
+            "top_k": st.one_of(st.none(), st.integers(1, 80)),
+            "top_p": st.floats(0.3, 1.0),
+            "stop_token_ids": st.lists(st.integers(3, vocab_size - 1), max_size=20),
+            "seed": st.integers(0, 2**31 - 1),
+        }
+    )
+
+
+def _with_sampling(backend, overrides: dict):
+    derive = getattr(backend, "with_sampling", None)
+    if derive is None:
+        pytest.skip(f"{type(backend).__name__} cannot change sampling settings per call")
+    return derive(**overrides)
+
+
+@pytest.mark.parametrize("dtype", list(EXAMPLES))
+@pytest.mark.parametrize(("reference", "candidate"), PAIRS)
+def test_backends_agree(build_backends, oracles, tiny_qwen2, dtype, reference, candidate):
+    with build_backends(
+        (reference, candidate), tiny_qwen2, dtype=dtype, logprobs_mode="processed"
+    ) as engines:
+        _check_agreement(
+            engines, oracles(dtype), tiny_qwen2.vocab_size, dtype, reference, candidate
+        )
+
+
+def _check_agreement(engines, oracle, vocab, dtype, reference, candidate):
+    tolerance = tolerance_for(dtype, across_backends=True)
+
+    @settings(
+        max_examples=EXAMPLES[dtype],
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(drawn=generation_batches(vocab, max_rows=5, max_length=12), sampling=_sampling(vocab))
+    def agree(drawn, sampling):
+        report = PairReport(reference, candidate, dtype, tolerance)
+        compare_batch(
+            report,
+            TimedBackend(reference, _with_sampling(engines[reference], sampling)),
+            TimedBackend(candidate, _with_sampling(engines[candidate], sampling)),
+            ParityBatch(drawn.data, drawn.prompts),
+            oracle,
+        )
+        report.judge()
+        assert report.ok, "\n".join(report.failures)
+
+    agree()
