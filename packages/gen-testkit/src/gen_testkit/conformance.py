@@ -113,7 +113,7 @@ class ConformanceSubject:
 
 def _examples() -> int:
     """Examples per property: half the active hypothesis profile's, at least 3."""
-    return max(3, settings.default.max_examples // 2)
+    return max(3, settings().max_examples // 2)
 
 
 _property = settings(
@@ -226,7 +226,7 @@ class GenerationConformanceSuite:
         check_stop_rules(
             drawn.prompts,
             subject.backend.generate(drawn.data, greedy=greedy),
-            config["stop_token_ids"],
+            config.get("stop_token_ids") or [],
             config["max_new_tokens"],
         )
 
@@ -241,7 +241,7 @@ class GenerationConformanceSuite:
 
     def test_empty_batch(self, subject: ConformanceSubject):
         """B = 0 gives every output field, empty, with its dtype."""
-        empty = BatchedDataDict(
+        empty: BatchedDataDict[Any] = BatchedDataDict(
             input_ids=torch.zeros((0, 5), dtype=torch.int64),
             attention_mask=torch.zeros((0, 5), dtype=torch.int64),
         )
@@ -354,7 +354,9 @@ class GenerationConformanceSuite:
         batch = self._fixed_batch(subject)
         before = subject.backend.generate(batch, greedy=True)
         with pytest.raises(GenerationInputError):
-            subject.backend.generate(BAD_INPUTS[problem](subject.vocab_size), greedy=False)
+            subject.backend.generate(
+                BatchedDataDict(BAD_INPUTS[problem](subject.vocab_size)), greedy=False
+            )
         after = subject.backend.generate(batch, greedy=True)
         self._assert_same(subject, before, after, f"after refusing input with {problem}")
 

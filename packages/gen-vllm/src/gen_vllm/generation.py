@@ -7,13 +7,14 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from gen_interface import (
     BackendCapabilities,
     BackendUnavailableError,
     BatchedDataDict,
+    GenerationConfig,
     GenerationConfigError,
     GenerationDatumSpec,
     GenerationError,
@@ -78,6 +79,8 @@ class VllmGeneration(GenerationInterface):
         BackendUnavailableError: an engine failed to start (its error is in the message).
     """
 
+    config: VllmConfig
+
     def __init__(self, cluster: RayVirtualCluster, config: VllmConfig, name_prefix: str = "vllm"):
         self.config = complete_vllm_config(config)
         self.cluster = cluster
@@ -112,17 +115,18 @@ class VllmGeneration(GenerationInterface):
         self._optional_weights = set(first["optional_weights"])
 
     @classmethod
-    def create(cls, config: VllmConfig, **kwargs: Any) -> VllmGeneration:
+    def create(cls, config: GenerationConfig, **kwargs: Any) -> VllmGeneration:
         """Build from a config alone: ``cluster=`` may be given, else one is made with
         ``replicas=`` bundles (default 1) on this node and shut down with the backend."""
         cluster = kwargs.pop("cluster", None)
         replicas = kwargs.pop("replicas", 1)
+        vllm_config = cast(VllmConfig, config)
         owned = None
         if cluster is None:
-            tp = (config.get("vllm_cfg") or {}).get("tensor_parallel_size", 1)
+            tp = vllm_config.get("vllm_cfg", {}).get("tensor_parallel_size", 1)
             cluster = owned = RayVirtualCluster([replicas * tp])
         try:
-            backend = cls(cluster, config, **kwargs)
+            backend = cls(cluster, vllm_config, **kwargs)
         except BaseException:
             if owned is not None:
                 owned.shutdown()
@@ -232,9 +236,9 @@ class VllmGeneration(GenerationInterface):
 
     def _run_sharded(self, method: str, rows: list[Any], extra: list[Any]) -> list[Any]:
         """Split rows into contiguous shards, run one per replica, gather in input order."""
-        shards = BatchedDataDict(rows=rows, extra=extra).shard_by_batch_size(
-            self.num_replicas, allow_uneven_shards=True
-        )
+        shards: list[BatchedDataDict[Any]] = BatchedDataDict(
+            rows=rows, extra=extra
+        ).shard_by_batch_size(self.num_replicas, allow_uneven_shards=True)
         try:
             results = self.replicas.call_each(
                 method,

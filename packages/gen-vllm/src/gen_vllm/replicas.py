@@ -54,7 +54,7 @@ class ReplicaSet:
         """
         import ray
 
-        remote_cls = ray.remote(VllmGenerationWorker)
+        remote_cls: Any = ray.remote(VllmGenerationWorker)
         actors = []
         for index, first in enumerate(range(0, cluster.world_size, tensor_parallel_size)):
             bundle = cluster.bundles[first]

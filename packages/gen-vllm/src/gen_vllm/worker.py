@@ -15,6 +15,8 @@ import socket
 import time
 from typing import Any
 
+from gen_interface import GenerationError
+
 __all__ = ["EXTENSION_CLASS", "RowOutput", "VllmGenerationWorker"]
 
 EXTENSION_CLASS = "gen_vllm.extension.UpdatableVllmInternalWorker"
@@ -82,9 +84,10 @@ class VllmGenerationWorker:
             params: ``vllm.SamplingParams`` keyword arguments, one dict per prompt.
         """
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
             [SamplingParams(**p) for p in params],
             use_tqdm=False,
         )
@@ -93,7 +96,7 @@ class VllmGenerationWorker:
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             logprobs = [
-                float(position[token].logprob)
+                float(_at(position, token))
                 for position, token in zip(completion.logprobs or [], tokens)
             ]
             rows.append((tokens, logprobs, completion.finish_reason or "length"))
@@ -102,17 +105,16 @@ class VllmGenerationWorker:
     def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
         """Teacher-forced raw logprobs of each sequence's tokens after its prompt."""
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False
         )
         rows = []
         for output, sequence, start in zip(outputs, sequences, prompt_lengths):
             positions = output.prompt_logprobs or []
-            rows.append(
-                [float(positions[t][sequence[t]].logprob) for t in range(start, len(sequence))]
-            )
+            rows.append([_at(positions[t], sequence[t]) for t in range(start, len(sequence))])
         return rows
 
     def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> list[dict[str, Any]]:
@@ -137,6 +139,13 @@ class VllmGenerationWorker:
             del self.llm
             del engine
             gc.collect()
+
+
+def _at(position: Any, token: int) -> float:
+    """The logprob vLLM reports for ``token`` at one position (it always includes that token)."""
+    if position is None or token not in position:
+        raise GenerationError(f"vLLM returned no logprob for token {token}")
+    return float(position[token].logprob)
 
 
 def _cores_for(slot: tuple[int, int]) -> list[int]:

@@ -11,6 +11,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -73,7 +74,7 @@ def map_segment(path: str, nbytes: int) -> torch.Tensor:
     if actual < max(nbytes, 1):
         raise WeightUpdateError(f"shared-memory segment {path} holds {actual} bytes, not {nbytes}")
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=max(nbytes, 1))
-    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+    return torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))[:nbytes]
 
 
 def unlink_segment(path: str) -> bool:
