@@ -4,7 +4,8 @@
 
 On one model and one set of inputs, in one run: tokens per second of a bare ``vllm.LLM.generate``
 (in this process, the same engine settings), of ``VllmGeneration`` with one replica, and of
-``VllmGeneration`` with two replicas. Sampled generation with a seed per row, exactly ``--new``
+``VllmGeneration`` with two replicas, each run alternating with the bare engine's so that load
+from elsewhere falls on both alike. Sampled generation with a seed per row, exactly ``--new``
 tokens per row (no stop tokens), float32.
 
 Start-up is timed in fresh processes, from the interpreter's start to the first generated token:
@@ -16,12 +17,13 @@ Run it on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -68,23 +70,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each engine")
+    parser.add_argument("--startups", type=int, default=2, help="timed start-ups of each kind")
     parser.add_argument("--kv-gib", type=float, default=1.0)
     return parser.parse_args()
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls after one warm-up call."""
-    fn()
-    times = []
+def interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, the runs alternating so that load from elsewhere on the
+    machine falls on all of them alike; one warm-up call each first."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
-def bench_bare(model: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+def bare_run(model: str, prompts: list[list[int]], args: argparse.Namespace) -> Callable[[], None]:
+    """A bare in-process ``vllm.LLM`` and a call that samples ``prompts`` with it."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -112,13 +119,14 @@ def bench_bare(model: str, prompts: list[list[int]], args: argparse.Namespace) -
         llm.reset_prefix_cache()
         llm.generate(requests, params, use_tqdm=False)
 
-    return timed(run, args.repeats)
+    return run
 
 
-def bench_gen_vllm(
+@contextlib.contextmanager
+def gen_vllm_run(
     model: str, batch: BatchedDataDict, replicas: int, args: argparse.Namespace
-) -> float:
-    import ray
+) -> Iterator[Callable[[], None]]:
+    """A ``VllmGeneration`` of ``replicas`` engines and a call that samples ``batch`` with it."""
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
     config = {
@@ -145,11 +153,11 @@ def bench_gen_vllm(
         out = backend.generate(batch, greedy=False)
         assert int(out["generation_lengths"].sum()) == len(batch["input_ids"]) * args.new
 
-    seconds = timed(run, args.repeats)
-    backend.shutdown()
-    cluster.shutdown()
-    assert not ray.is_initialized()
-    return seconds
+    try:
+        yield run
+    finally:
+        backend.shutdown()
+        cluster.shutdown()
 
 
 def startup_seconds(script: str, *argv: str) -> float:
@@ -172,7 +180,7 @@ def startup_seconds(script: str, *argv: str) -> float:
 
 def bench_startups(model: str, args: argparse.Namespace) -> dict[str, float]:
     kv = str(args.kv_gib)
-    runs = range(args.repeats)
+    runs = range(args.startups)
     out = {
         "bare vllm.LLM": statistics.median(startup_seconds(_BARE_START, model, kv) for _ in runs),
         "VllmGeneration, starting Ray": statistics.median(
@@ -207,19 +215,22 @@ def main() -> None:
         f"float32, median of {args.repeats} after a warm-up",
         flush=True,
     )
-    bare_s = bench_bare(args.model, ids.tolist(), args)
-    gc.collect()  # the bare engine goes before the next ones start
-    one_s = bench_gen_vllm(args.model, batch, 1, args)
-    two_s = bench_gen_vllm(args.model, batch, 2, args)
+    bare = bare_run(args.model, ids.tolist(), args)
+    with gen_vllm_run(args.model, batch, 1, args) as one:
+        first = interleaved({"bare": bare, "one": one}, args.repeats)
+    with gen_vllm_run(args.model, batch, 2, args) as two:
+        second = interleaved({"bare": bare, "two": two}, args.repeats)
+    bare_s, one_s, two_s = first["bare"], first["one"], second["two"]
+    two_ratio = second["bare"] / two_s
     startups = bench_startups(args.model, args)
 
     print("\n| engine | tok/s | vs bare |\n|---|---|---|")
-    for name, seconds in (
-        ("bare vllm.LLM", bare_s),
-        ("VllmGeneration, 1 replica", one_s),
-        ("VllmGeneration, 2 replicas", two_s),
+    for name, seconds, ratio in (
+        ("bare vllm.LLM", bare_s, 1.0),
+        ("VllmGeneration, 1 replica", one_s, bare_s / one_s),
+        ("VllmGeneration, 2 replicas", two_s, two_ratio),
     ):
-        print(f"| {name} | {tokens / seconds:.0f} | {bare_s / seconds:.3f} |")
+        print(f"| {name} | {tokens / seconds:.0f} | {ratio:.3f} |")
     print("\n| start-up, fresh process to first token | s | vs bare |\n|---|---|---|")
     for name, seconds in startups.items():
         print(f"| {name} | {seconds:.1f} | {seconds / startups['bare vllm.LLM']:.2f} |")

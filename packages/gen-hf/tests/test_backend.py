@@ -176,3 +176,21 @@ def test_shutdown_is_idempotent_and_final(
     ):
         with pytest.raises(GenerationError, match="shut down"):
             call()
+
+
+def test_with_sampling_shares_the_model_and_its_weights(
+    backend: HfGeneration, tiny_qwen2: TinyModel
+):
+    batch = pad_prompts([[5, 6, 7], [9]], "left")
+    greedy_view = backend.with_sampling(temperature=0.0, max_new_tokens=3)
+    assert greedy_view.config["max_new_tokens"] == 3 != backend.config["max_new_tokens"]
+    out = greedy_view.generate(batch, greedy=False)  # temperature 0: greedy
+    expected = backend.generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == [
+        row[: int(n)] + [0] * (out["output_ids"].shape[1] - int(n))
+        for row, n in zip(expected["output_ids"].tolist(), out["unpadded_sequence_lengths"])
+    ]
+    with pytest.raises(GenerationConfigError, match="dtype"):
+        backend.with_sampling(dtype="bfloat16")
+    greedy_view.shutdown()
+    assert backend.generate(batch, greedy=True)["output_ids"].shape[0] == 2  # owner unaffected

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from gen_interface import WeightUpdateError
+from gen_interface import GenerationConfigError, WeightUpdateError
 from gen_interface.weights import share_weights
 from gen_testkit.strategies import pad_prompts
 
@@ -64,3 +64,18 @@ def test_refit_info_is_checked_at_set_up(backend, tiny_qwen2):
     info["model.norm.weight"] = (torch.Size([7]), torch.float32)
     with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight"):
         backend.prepare_refit_info(info)
+
+
+def test_with_sampling_front_ends_share_the_engines(backend):
+    view = backend.with_sampling(temperature=0.0, max_new_tokens=3)
+    assert view.replicas is backend.replicas and view.config["max_new_tokens"] == 3
+    out = view.generate(pad_prompts(PROMPTS, "left"), greedy=False)  # temperature 0: greedy
+    assert bool((out["generation_lengths"] <= 3).all())
+    full = _greedy(backend)
+    for i in range(len(PROMPTS)):
+        n = int(out["unpadded_sequence_lengths"][i])
+        assert out["output_ids"][i, :n].tolist() == full["output_ids"][i, :n].tolist()
+    with pytest.raises(GenerationConfigError, match="logprobs_mode"):
+        backend.with_sampling(logprobs_mode="processed")
+    view.shutdown()
+    assert _greedy(backend)["output_ids"].shape[0] == len(PROMPTS)  # the owner is untouched
