@@ -3,8 +3,16 @@ within the tolerances of ``gen_testkit.tolerances`` (per dtype, one place)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
-from gen_interface import available_backends
+from gen_interface import (
+    GenerationInterface,
+    available_backends,
+    configure_generation_config,
+    create_generation_backend,
+)
 from gen_testkit.parity import HfLogitsOracle, PairReport, TimedBackend
 from gen_testkit.parity.runner import compare_batch
 from gen_testkit.parity.workload import ParityBatch
@@ -20,6 +28,26 @@ PAIRS = [(MODEL_BACKENDS[0], other) for other in MODEL_BACKENDS[1:]]
 EXAMPLES = {"float32": 12, "bfloat16": 4}
 
 pytestmark = pytest.mark.skipif(not PAIRS, reason="needs two backends that load HF models")
+
+
+@contextlib.contextmanager
+def built_backends(names, model, **engine_settings) -> Iterator[dict[str, GenerationInterface]]:
+    """``{name: backend}`` for ``model`` with the given engine-level settings; all shut down
+    on exit. vLLM engines get a small KV cache so that they fit beside other tests' engines."""
+    tokenizer = type(
+        "Ids", (), {"pad_token_id": model.pad_token_id, "eos_token_id": model.eos_token_id}
+    )()
+    built: dict[str, GenerationInterface] = {}
+    try:
+        for name in names:
+            config = {"backend": name, "model_name": str(model.path), **engine_settings}
+            if name == "vllm":
+                config["vllm_cfg"] = {"cpu_kv_cache_gib": 0.25}
+            built[name] = create_generation_backend(configure_generation_config(config, tokenizer))
+        yield built
+    finally:
+        for backend in built.values():
+            backend.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +84,8 @@ def _with_sampling(backend, overrides: dict):
 
 @pytest.mark.parametrize("dtype", list(EXAMPLES))
 @pytest.mark.parametrize(("reference", "candidate"), PAIRS)
-def test_backends_agree(build_backends, oracles, tiny_qwen2, dtype, reference, candidate):
-    with build_backends(
+def test_backends_agree(oracles, tiny_qwen2, dtype, reference, candidate):
+    with built_backends(
         (reference, candidate), tiny_qwen2, dtype=dtype, logprobs_mode="processed"
     ) as engines:
         _check_agreement(

@@ -1,16 +1,290 @@
-"""A suite that cannot fail proves nothing: run it against one broken backend per property."""
+"""A suite that cannot fail proves nothing: run it against one broken backend per property.
 
-import sys
+``FAULTS`` maps each fault to the n-gram backend class that has it and the suite tests that must
+catch it; every class differs from ``NgramGeneration`` in exactly one behaviour. The suite runs
+against all of them in a separate pytest process, and each fault must fail its tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import torch
+from gen_interface import GenerationError
+from gen_interface.weights import read_shared_weights
+from gen_testkit.ngram import NgramGeneration
+
+
+class _OutputFault(NgramGeneration):
+    """Applies ``corrupt`` to every non-empty output."""
+
+    def generate(self, data, greedy=False):
+        out = super().generate(data, greedy)
+        return self.corrupt(out) if out.size else out
+
+    def corrupt(self, out):
+        raise NotImplementedError
+
+
+class LogprobsInFloat64(_OutputFault):
+    def corrupt(self, out):
+        out["logprobs"] = out["logprobs"].double()
+        return out
+
+
+class PromptDropped(_OutputFault):
+    def corrupt(self, out):
+        out["output_ids"] = out["output_ids"].roll(-1, dims=1)
+        return out
+
+
+class PadsWithOne(_OutputFault):
+    def corrupt(self, out):
+        ids = out["output_ids"]
+        past_end = torch.arange(ids.shape[1])[None, :] >= out["unpadded_sequence_lengths"][:, None]
+        out["output_ids"] = torch.where(past_end, torch.ones_like(ids), ids)
+        return out
+
+
+class LogprobOnLastPromptToken(_OutputFault):
+    def corrupt(self, out):
+        start = out["unpadded_sequence_lengths"] - out["generation_lengths"]
+        out["logprobs"][torch.arange(out.size), start - 1] = -0.5
+        return out
+
+
+class ReportsProbabilities(_OutputFault):
+    def corrupt(self, out):
+        out["logprobs"] = torch.where(out["logprobs"] != 0, out["logprobs"].exp(), out["logprobs"])
+        return out
+
+
+class RowsReversed(_OutputFault):
+    def corrupt(self, out):
+        return out.select_indices(list(reversed(range(out.size))))
+
+
+class NoisyLogprobs(_OutputFault):
+    """Logprobs jitter between calls, as a backend with a nondeterministic kernel would."""
+
+    def corrupt(self, out):
+        noise = torch.rand(out["logprobs"].shape) * 1e-3
+        out["logprobs"] = torch.where(
+            out["logprobs"] != 0, out["logprobs"] - noise, out["logprobs"]
+        )
+        return out
+
+
+class _ConfigFault(NgramGeneration):
+    """Decodes with ``changes`` applied to the config while reporting the original config."""
+
+    changes: dict = {}
+
+    def generate(self, data, greedy=False):
+        reported = self.config
+        self.config = {**reported, **self.changes}
+        try:
+            return super().generate(data, greedy)
+        finally:
+            self.config = reported
+
+
+class OneTokenTooMany(_ConfigFault):
+    def generate(self, data, greedy=False):
+        self.changes = {"max_new_tokens": self.config["max_new_tokens"] + 1}
+        return super().generate(data, greedy)
+
+
+class IgnoresStopTokens(_ConfigFault):
+    changes = {"stop_token_ids": []}
+
+
+class TruncatedFlagInverted(_OutputFault):
+    def corrupt(self, out):
+        out["truncated"] = ~out["truncated"]
+        return out
+
+
+class UnseededSampling(NgramGeneration):
+    """Samples from the global RNG, so a config seed does not repeat."""
+
+    def generate(self, data, greedy=False):
+        data = dict(data, sample_seeds=torch.randint(0, 2**31, (data["input_ids"].shape[0],)))
+        if data["input_ids"].dim() != 2:
+            data.pop("sample_seeds")
+        return super().generate(data, greedy)
+
+
+class SameSeedForEveryRow(NgramGeneration):
+    def generate(self, data, greedy=False):
+        if isinstance(data.get("input_ids"), torch.Tensor) and data["input_ids"].dim() == 2:
+            data = dict(data, sample_seeds=torch.full((data["input_ids"].shape[0],), 7))
+        return super().generate(data, greedy)
+
+
+class BatchMatesLeak(NgramGeneration):
+    """Every row's context also sees the first token of row 0."""
+
+    def generate(self, data, greedy=False):
+        original = self.model.next_logits
+
+        def leaky(contexts):
+            logits = original(contexts)
+            return (
+                logits + 0.5 * self.model.weights["tables.1"][contexts[0][0]]
+                if contexts
+                else logits
+            )
+
+        self.model.next_logits = leaky
+        try:
+            return super().generate(data, greedy)
+        finally:
+            self.model.next_logits = original
+
+
+class PaddingSideMatters(NgramGeneration):
+    """Reads left padding as part of the prompt's context."""
+
+    def generate(self, data, greedy=False):
+        mask = data.get("attention_mask") if isinstance(data, dict) else None
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and mask.numel()
+            and bool(mask[:, 0].eq(0).any())
+        ):
+            data = dict(data, input_ids=data["input_ids"] + 1)
+        return super().generate(data, greedy)
+
+
+class EmptyBatchCrashes(NgramGeneration):
+    def generate(self, data, greedy=False):
+        if data["input_ids"].shape[0] == 0:
+            raise IndexError("empty batch")
+        return super().generate(data, greedy)
+
+
+class FinishIgnored(NgramGeneration):
+    def finish_generation(self, *args, **kwargs):
+        pass
+
+
+class AcceptsOutOfVocabulary(NgramGeneration):
+    def generate(self, data, greedy=False):
+        if isinstance(data.get("input_ids"), torch.Tensor) and data["input_ids"].dim() == 2:
+            data = dict(data, input_ids=data["input_ids"].clamp(max=self.model.vocab_size - 1))
+        return super().generate(data, greedy)
+
+
+class BrokenAfterBadInput(NgramGeneration):
+    def generate(self, data, greedy=False):
+        try:
+            return super().generate(data, greedy)
+        except GenerationError:
+            self.model.weights["bias"][:100] += 2.0
+            raise
+
+
+class ScoreOffByOne(NgramGeneration):
+    def score(self, data):
+        return super().score(data).roll(1, dims=1)
+
+
+class ProcessedModeIgnored(_ConfigFault):
+    changes = {"logprobs_mode": "raw"}
+
+
+class WeightUpdateIgnored(NgramGeneration):
+    def update_weights_from_ipc_handles(self, handles):
+        read_shared_weights(handles)
+
+
+class PartialWriteOnMismatch(NgramGeneration):
+    def update_weights_from_ipc_handles(self, handles):
+        for name, tensor in read_shared_weights(handles):
+            if name in self.model.weights and self.model.weights[name].shape == tensor.shape:
+                self.model.weights[name].copy_(tensor.to(self.model.weights[name].dtype))
+        super().update_weights_from_ipc_handles(handles)
+
+
+class SegmentsLeft(NgramGeneration):
+    def update_weights_from_ipc_handles(self, handles):
+        self._write(dict(read_shared_weights(handles, expected=self.model.specs())))
+
+
+class AsyncDropsARow(NgramGeneration):
+    async def generate_async(self, data, greedy=False):
+        async for i, row in super().generate_async(data, greedy):
+            if i != 0:
+                yield i, row
+            await asyncio.sleep(0)
+
+
+# fault -> (backend class, logprobs mode, the suite tests that must fail)
+FAULTS: dict[str, tuple[type[NgramGeneration], str, set[str]]] = {
+    "logprobs in float64": (LogprobsInFloat64, "raw", {"test_output_layout"}),
+    "prompt dropped": (PromptDropped, "raw", {"test_prompt_kept"}),
+    "pads with 1": (PadsWithOne, "raw", {"test_padding_and_zero_logprobs"}),
+    "logprob on the prompt": (LogprobOnLastPromptToken, "raw", {"test_padding_and_zero_logprobs"}),
+    "one token too many": (OneTokenTooMany, "raw", {"test_lengths_within_limits"}),
+    "stop tokens ignored": (IgnoresStopTokens, "raw", {"test_stop_tokens"}),
+    "truncated flag inverted": (TruncatedFlagInverted, "raw", {"test_stop_tokens"}),
+    "probabilities for logprobs": (ReportsProbabilities, "raw", {"test_logprobs_in_range"}),
+    "rows reversed": (RowsReversed, "raw", {"test_prompt_kept"}),
+    "noisy logprobs": (NoisyLogprobs, "raw", {"test_greedy_repeatable"}),
+    "unseeded sampling": (UnseededSampling, "raw", {"test_seeded_sampling_repeatable"}),
+    "same seed for every row": (
+        SameSeedForEveryRow,
+        "raw",
+        {"test_rows_sharing_a_prompt_sample_independently"},
+    ),
+    "batch mates leak": (BatchMatesLeak, "raw", {"test_row_independent_of_batch_mates"}),
+    "padding side matters": (PaddingSideMatters, "raw", {"test_padding_layout_does_not_matter"}),
+    "empty batch crashes": (EmptyBatchCrashes, "raw", {"test_empty_batch"}),
+    "finish ignored": (FinishIgnored, "raw", {"test_finish_then_prepare_changes_nothing"}),
+    "out-of-vocabulary accepted": (
+        AcceptsOutOfVocabulary,
+        "raw",
+        {"test_bad_input_refused_and_backend_still_usable"},
+    ),
+    "broken after bad input": (
+        BrokenAfterBadInput,
+        "raw",
+        {"test_bad_input_refused_and_backend_still_usable"},
+    ),
+    "score off by one": (ScoreOffByOne, "raw", {"test_score_matches_generated_logprobs"}),
+    "processed mode ignored": (
+        ProcessedModeIgnored,
+        "processed",
+        {"test_processed_logprobs_are_not_raw"},
+    ),
+    "weight update ignored": (
+        WeightUpdateIgnored,
+        "raw",
+        {"test_weight_update_changes_outputs_and_restores"},
+    ),
+    "partial write on mismatch": (
+        PartialWriteOnMismatch,
+        "raw",
+        {"test_mismatched_weight_update_refused"},
+    ),
+    "segments left behind": (
+        SegmentsLeft,
+        "raw",
+        {"test_weight_update_changes_outputs_and_restores"},
+    ),
+    "async drops a row": (AsyncDropsARow, "raw", {"test_generate_async_yields_every_row"}),
+}
+
+
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from faulty_ngram import FAULTS  # noqa: E402
 
 _HEADER = """
 import pytest
-from faulty_ngram import FAULTS
+from test_suite_catches_faults import FAULTS
 from gen_testkit.conformance import (
     ConformanceSubject, GenerationConformanceSuite, conformance_config,
 )

@@ -1,0 +1,1 @@
+"""The conformance suite, one module per concern; ``gen_testkit.conformance`` assembles it."""

@@ -1,0 +1,138 @@
+"""Optional capabilities: ``score`` and weight updates, tested when claimed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from gen_interface import BatchedDataDict, WeightUpdateError
+from gen_interface.weights import share_weights
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gen_testkit.strategies import DrawnBatch
+from gen_testkit.suite.base import ConformanceSubject, SuiteBase, property_settings
+from gen_testkit.tolerances import tolerance_for
+
+__all__ = ["CapabilityProperties"]
+
+
+class CapabilityProperties(SuiteBase):
+    """``score`` and weight updates, each skipped unless its flag is claimed."""
+
+    # ---- score --------------------------------------------------------------------------------
+
+    @property_settings
+    @given(data=st.data(), greedy=st.booleans())
+    def test_score_matches_generated_logprobs(
+        self, subject: ConformanceSubject, data: st.DataObject, greedy: bool
+    ):
+        """Teacher-forced raw logprobs of generated rows equal the raw logprobs reported."""
+        if not self.claims_score:
+            pytest.skip("backend does not claim score")
+        if not greedy and subject.backend.config.get("logprobs_mode") == "processed":
+            greedy = True  # sampled rows report processed values, which score does not compute
+        drawn = self._draw(data, subject)
+        output = subject.backend.generate(drawn.data, greedy=greedy)
+        scored = subject.backend.score(_score_input(drawn, output))
+        tolerance = tolerance_for(
+            subject.backend.config.get("dtype", "float32"), across_backends=False
+        )
+        diff = (scored - output["logprobs"]).abs().max() if scored.numel() else torch.tensor(0.0)
+        assert float(diff) <= tolerance.logprob_atol, f"score differs by {float(diff):.3g}"
+
+    @property_settings
+    @given(data=st.data())
+    def test_processed_logprobs_are_not_raw(self, subject: ConformanceSubject, data: st.DataObject):
+        """In processed mode, sampled logprobs follow the sampling distribution, not the raw one."""
+        if not self.claims_score or subject.backend.config.get("logprobs_mode") != "processed":
+            pytest.skip("needs score and logprobs_mode='processed'")
+        drawn = self._draw(data, subject)
+        output = subject.backend.generate(drawn.data, greedy=False)
+        raw = subject.backend.score(_score_input(drawn, output))
+        generated = output["logprobs"] != 0
+        gap = (raw - output["logprobs"])[generated].abs()
+        assert float(gap.max()) > 1e-3, "processed logprobs equal the raw ones"
+
+    # ---- weight updates -----------------------------------------------------------------------
+
+    def test_weight_update_changes_outputs_and_restores(self, subject: ConformanceSubject):
+        """New weights change greedy outputs; the old weights restore them exactly; the shared
+        segments are gone afterwards."""
+        if not self.claims_weight_updates:
+            pytest.skip("backend does not claim weight updates")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before = backend.generate(batch, greedy=True)
+        backend.prepare_refit_info({k: (v.shape, v.dtype) for k, v in original.items()})
+        with share_weights(_perturbed(original)) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+            leftover = [
+                b["location"] for b in shared.handles["buckets"] if os.path.exists(b["location"])
+            ]
+        assert not leftover, f"shared-memory segments left after the update: {leftover}"
+        changed = backend.generate(batch, greedy=True)
+        assert not torch.equal(changed["output_ids"], before["output_ids"]) or not torch.equal(
+            changed["logprobs"], before["logprobs"]
+        ), "outputs did not change after a weight update"
+        with share_weights(original) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+        after = backend.generate(batch, greedy=True)
+        assert torch.equal(after["output_ids"], before["output_ids"])
+        assert torch.equal(after["logprobs"], before["logprobs"]), (
+            "restoring the weights did not restore the logprobs exactly"
+        )
+
+    @pytest.mark.parametrize("fault", ["wrong shape", "unknown name", "wrong dtype"])
+    def test_mismatched_weight_update_refused(self, subject: ConformanceSubject, fault: str):
+        """An update that does not fit the model raises WeightUpdateError and changes nothing."""
+        if not self.claims_weight_updates:
+            pytest.skip("backend does not claim weight updates")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before = backend.generate(batch, greedy=True)
+        bad = _perturbed(original)
+        name = sorted(bad)[-1]
+        if fault == "wrong shape":
+            bad[name] = torch.cat([bad[name], bad[name][:1]])
+        elif fault == "unknown name":
+            bad["not.a.weight"] = torch.zeros(3)
+        else:
+            bad[name] = bad[name].to(torch.float64)
+        with pytest.raises(WeightUpdateError):
+            backend.prepare_refit_info({k: (v.shape, v.dtype) for k, v in bad.items()})
+        with share_weights(bad) as shared, pytest.raises(WeightUpdateError):
+            backend.update_weights_from_ipc_handles(shared.handles)
+        after = backend.generate(batch, greedy=True)
+        assert torch.equal(after["output_ids"], before["output_ids"])
+        assert torch.equal(after["logprobs"], before["logprobs"]), (
+            "a refused update changed outputs"
+        )
+
+
+def _state_dict_of(subject: ConformanceSubject) -> dict[str, torch.Tensor]:
+    if subject.state_dict is None:
+        raise AssertionError("claims_weight_updates needs ConformanceSubject.state_dict")
+    return {k: v.detach().clone() for k, v in subject.state_dict.items()}
+
+
+def _perturbed(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights plus deterministic noise of a quarter of each tensor's spread."""
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for name, tensor in weights.items():
+        noise = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+        spread = tensor.float().std() if tensor.numel() > 1 else torch.tensor(1.0)
+        out[name] = tensor + 0.25 * float(spread) * noise
+    return out
+
+
+def _score_input(drawn: DrawnBatch, output: Mapping[str, Any]) -> BatchedDataDict[Any]:
+    return BatchedDataDict(
+        input_ids=output["output_ids"],
+        prompt_lengths=torch.tensor([len(p) for p in drawn.prompts], dtype=torch.int64),
+        unpadded_sequence_lengths=output["unpadded_sequence_lengths"],
+    )
