@@ -3,7 +3,9 @@ from gen_interface import (
     GenerationConfigError,
     configure_generation_config,
     validate_generation_config,
+    with_per_call_overrides,
 )
+from gen_interface.config import check_int_setting, complete_backend_settings
 from gen_testkit.strategies import generation_configs, invalid_config_fields
 from hypothesis import given
 
@@ -52,3 +54,27 @@ def test_configure_keeps_callers_values_and_needs_a_pad_id():
     assert config["stop_token_ids"] == [] and config["pad_token_id"] == 5
     with pytest.raises(GenerationConfigError, match="pad_token_id"):
         configure_generation_config(BASE, Tok(None, None))
+
+
+def test_per_call_overrides_change_only_per_call_settings():
+    config = configure_generation_config(dict(BASE, seed=1), Tok(0, 2))
+    derived = with_per_call_overrides(config, {"temperature": 0.0, "max_new_tokens": 3})
+    assert derived["temperature"] == 0.0 and derived["max_new_tokens"] == 3
+    assert config["max_new_tokens"] == 64  # the original is untouched
+    with pytest.raises(GenerationConfigError, match="logprobs_mode"):
+        with_per_call_overrides(config, {"logprobs_mode": "processed"})
+    with pytest.raises(GenerationConfigError, match="top_p"):
+        with_per_call_overrides(config, {"top_p": 0.0})
+
+
+def test_backend_settings_are_completed_and_checked_by_name():
+    config = configure_generation_config(dict(BASE, x_cfg={"size": 4}), Tok(0, 2))
+    out, settings = complete_backend_settings(config, "x_cfg", {"size": 1, "mode": "a"})
+    assert settings == {"size": 4, "mode": "a"} and out is not config
+    check_int_setting(settings, "x_cfg", "size", minimum=4)
+    with pytest.raises(GenerationConfigError, match=r"x_cfg\.size must be an integer >= 5"):
+        check_int_setting(settings, "x_cfg", "size", minimum=5)
+    with pytest.raises(GenerationConfigError, match="unknown keys \\['other'\\]; known"):
+        complete_backend_settings(dict(config, x_cfg={"other": 1}), "x_cfg", {"size": 1})
+    with pytest.raises(GenerationConfigError, match="x_cfg must be a dict"):
+        complete_backend_settings(dict(config, x_cfg=[]), "x_cfg", {"size": 1})

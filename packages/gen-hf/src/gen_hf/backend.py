@@ -29,6 +29,7 @@ from gen_interface import (
     build_generation_output,
     normalize_generation_input,
     sampling_settings_of,
+    with_per_call_overrides,
 )
 from gen_interface.decoding import StopRules
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for
@@ -55,16 +56,6 @@ from gen_hf.weights import model_tensor_specs, state_dict_specs, write_weights
 __all__ = ["HfGeneration"]
 
 State = Literal["ready", "finished", "shut down"]
-
-_PER_CALL_SETTINGS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop_token_ids",
-    "stop_strings",
-    "seed",
-}
 
 
 class HfGeneration(GenerationInterface):
@@ -123,13 +114,8 @@ class HfGeneration(GenerationInterface):
         Raises:
             GenerationConfigError: an override names another setting, or is out of range.
         """
-        other = sorted(set(overrides) - _PER_CALL_SETTINGS)
-        if other:
-            raise GenerationConfigError(
-                f"with_sampling cannot change {other}; it changes {sorted(_PER_CALL_SETTINGS)}"
-            )
         view = copy.copy(self)
-        view.config = complete_hf_config({**self.config, **overrides})
+        view.config = complete_hf_config(with_per_call_overrides(self.config, overrides))
         if view.config.get("stop_strings") and view._decode is None:
             raise GenerationConfigError("stop_strings need a tokenizer and this model has none")
         view._is_view = True

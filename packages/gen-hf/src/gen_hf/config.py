@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, Literal, TypedDict, cast
 
-from gen_interface import GenerationConfig, GenerationConfigError, validate_generation_config
+from gen_interface import GenerationConfig, GenerationConfigError
+from gen_interface.config import check_int_setting, complete_backend_settings
 
 __all__ = [
     "HF_CFG_DEFAULTS",
@@ -70,29 +70,21 @@ def complete_hf_config(config: Mapping[str, Any]) -> HfConfig:
         GenerationConfigError: a field is missing or out of range; ``hf_cfg`` fields are named
             ``hf_cfg.<key>``.
     """
-    validate_generation_config(config)
-    out = copy.deepcopy(dict(config))
-    given = out.get("hf_cfg")
-    if given is None:
-        given = {}
-    if not isinstance(given, Mapping):
-        raise GenerationConfigError(f"hf_cfg must be a dict, got {type(given).__name__}")
-    unknown = sorted(set(given) - set(HF_CFG_DEFAULTS))
-    if unknown:
-        raise GenerationConfigError(
-            f"hf_cfg has unknown keys {unknown}; known: {sorted(HF_CFG_DEFAULTS)} "
-            "(pass other from_pretrained arguments in hf_cfg.model_kwargs)"
-        )
-    cfg: dict[str, Any] = {**copy.deepcopy(dict(HF_CFG_DEFAULTS)), **given}
+    out, cfg = complete_backend_settings(
+        config,
+        "hf_cfg",
+        HF_CFG_DEFAULTS,
+        hint="pass other from_pretrained arguments in hf_cfg.model_kwargs",
+    )
     _check_device(cfg["device"])
     if cfg["attn_implementation"] not in _ATTN_IMPLEMENTATIONS:
         raise GenerationConfigError(
             f"hf_cfg.attn_implementation must be one of {_ATTN_IMPLEMENTATIONS}, "
             f"got {cfg['attn_implementation']!r}"
         )
-    _positive_int(cfg, "max_batch_size")
+    check_int_setting(cfg, "hf_cfg", "max_batch_size")
     if cfg["max_model_len"] is not None:
-        _positive_int(cfg, "max_model_len", minimum=2)
+        check_int_setting(cfg, "hf_cfg", "max_model_len", minimum=2)
     if cfg["load_tokenizer"] not in (True, False, "auto"):
         raise GenerationConfigError(
             f"hf_cfg.load_tokenizer must be true, false or 'auto', got {cfg['load_tokenizer']!r}"
@@ -125,9 +117,3 @@ def _check_device(device: Any) -> None:
         raise GenerationConfigError(
             f"hf_cfg.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}"
         )
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str, *, minimum: int = 1) -> None:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise GenerationConfigError(f"hf_cfg.{key} must be an integer >= {minimum}, got {value!r}")

@@ -8,10 +8,12 @@ from importlib.metadata import PackageNotFoundError, version
 from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.config import (
     GENERATION_CONFIG_DEFAULTS,
+    PER_CALL_SETTINGS,
     TokenizerLike,
     configure_generation_config,
     sampling_settings_of,
     validate_generation_config,
+    with_per_call_overrides,
 )
 from gen_interface.errors import (
     BackendUnavailableError,
@@ -47,6 +49,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "ENTRY_POINT_GROUP",
     "GENERATION_CONFIG_DEFAULTS",
+    "PER_CALL_SETTINGS",
     "BackendCapabilities",
     "BackendUnavailableError",
     "BatchedDataDict",
@@ -75,4 +78,5 @@ __all__ = [
     "normalize_generation_input",
     "sampling_settings_of",
     "validate_generation_config",
+    "with_per_call_overrides",
 ]

@@ -12,10 +12,14 @@ from gen_interface.specs import GenerationConfig
 
 __all__ = [
     "GENERATION_CONFIG_DEFAULTS",
+    "PER_CALL_SETTINGS",
     "TokenizerLike",
+    "check_int_setting",
+    "complete_backend_settings",
     "configure_generation_config",
     "sampling_settings_of",
     "validate_generation_config",
+    "with_per_call_overrides",
 ]
 
 ConfigT = TypeVar("ConfigT", bound=Mapping[str, Any])
@@ -33,6 +37,12 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "colocated": {"enabled": False},
 }
+
+#: Settings a backend can change between calls without reloading anything (vLLM takes them per
+#: request); ``with_sampling`` front ends may override these and nothing else.
+PER_CALL_SETTINGS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop_strings", "seed"}
+)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOGPROBS_MODES = ("raw", "processed")
@@ -124,6 +134,63 @@ def validate_generation_config(config: Mapping[str, Any]) -> None:
     if not isinstance(colocated, Mapping) or not isinstance(colocated.get("enabled"), bool):
         raise GenerationConfigError(
             f"colocated must be a dict with a bool 'enabled', got {colocated!r}"
+        )
+
+
+def with_per_call_overrides(config: ConfigT, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with ``overrides`` applied, validated; only ``PER_CALL_SETTINGS`` may change.
+
+    Raises:
+        GenerationConfigError: an override names another setting, or is out of range.
+    """
+    other = sorted(set(overrides) - PER_CALL_SETTINGS)
+    if other:
+        raise GenerationConfigError(
+            f"cannot change {other} per call: they are engine settings; per-call settings are "
+            f"{sorted(PER_CALL_SETTINGS)}"
+        )
+    out = {**copy.deepcopy(dict(config)), **overrides}
+    validate_generation_config(out)
+    return out
+
+
+def complete_backend_settings(
+    config: Mapping[str, Any], key: str, defaults: Mapping[str, Any], *, hint: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Validate the generation keys of a backend's config and fill its own ``config[key]``.
+
+    Returns:
+        ``(a deep copy of config, its settings dict with every default filled)``; the caller
+        checks the settings' values and stores them back under ``key``.
+
+    Raises:
+        GenerationConfigError: a generation field is out of range, ``config[key]`` is not a dict,
+            or it holds keys ``defaults`` does not know (``hint`` says where those belong).
+    """
+    validate_generation_config(config)
+    out = copy.deepcopy(dict(config))
+    given = out.get(key)
+    if given is None:
+        given = {}
+    if not isinstance(given, Mapping):
+        raise GenerationConfigError(f"{key} must be a dict, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        extra = f" ({hint})" if hint else ""
+        raise GenerationConfigError(
+            f"{key} has unknown keys {unknown}; known: {sorted(defaults)}{extra}"
+        )
+    return out, {**copy.deepcopy(dict(defaults)), **given}
+
+
+def check_int_setting(
+    settings: Mapping[str, Any], prefix: str, key: str, *, minimum: int = 1
+) -> None:
+    """Refuse ``settings[key]`` unless it is an integer >= ``minimum``, naming ``prefix.key``."""
+    value = settings[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise GenerationConfigError(
+            f"{prefix}.{key} must be an integer >= {minimum}, got {value!r}"
         )
 
 

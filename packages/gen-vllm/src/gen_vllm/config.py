@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, Literal, TypedDict, cast
 
-from gen_interface import GenerationConfig, GenerationConfigError, validate_generation_config
+from gen_interface import GenerationConfig, GenerationConfigError
+from gen_interface.config import check_int_setting, complete_backend_settings
 
 __all__ = ["VLLM_CFG_DEFAULTS", "VllmConfig", "VllmSpecificArgs", "complete_vllm_config"]
 
@@ -60,22 +60,16 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
         GenerationConfigError: a field is missing or out of range; ``vllm_cfg`` fields are named
             ``vllm_cfg.<key>``.
     """
-    validate_generation_config(config)
-    out = copy.deepcopy(dict(config))
-    given = out.get("vllm_cfg") or {}
-    if not isinstance(given, Mapping):
-        raise GenerationConfigError(f"vllm_cfg must be a dict, got {type(given).__name__}")
-    unknown = sorted(set(given) - set(VLLM_CFG_DEFAULTS))
-    if unknown:
-        raise GenerationConfigError(
-            f"vllm_cfg has unknown keys {unknown}; known: {sorted(VLLM_CFG_DEFAULTS)} "
-            "(pass other engine arguments in vllm_cfg.engine_kwargs)"
-        )
-    cfg = {**copy.deepcopy(dict(VLLM_CFG_DEFAULTS)), **given}
-    _positive_int(cfg, "tensor_parallel_size")
-    _positive_int(cfg, "max_num_seqs")
+    out, cfg = complete_backend_settings(
+        config,
+        "vllm_cfg",
+        VLLM_CFG_DEFAULTS,
+        hint="pass other engine arguments in vllm_cfg.engine_kwargs",
+    )
+    check_int_setting(cfg, "vllm_cfg", "tensor_parallel_size")
+    check_int_setting(cfg, "vllm_cfg", "max_num_seqs")
     if cfg["max_model_len"] is not None:
-        _positive_int(cfg, "max_model_len")
+        check_int_setting(cfg, "vllm_cfg", "max_model_len")
     _fraction(cfg, "gpu_memory_utilization")
     _positive_number(cfg, "cpu_kv_cache_gib")
     _positive_number(cfg, "startup_timeout_s")
@@ -93,12 +87,6 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
         raise GenerationConfigError("vllm_cfg.engine_kwargs must be a dict")
     out["vllm_cfg"] = cfg
     return cast(VllmConfig, out)
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str) -> None:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise GenerationConfigError(f"vllm_cfg.{key} must be an integer >= 1, got {value!r}")
 
 
 def _positive_number(cfg: Mapping[str, Any], key: str) -> None:

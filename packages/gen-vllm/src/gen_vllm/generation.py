@@ -15,7 +15,6 @@ from gen_interface import (
     BackendUnavailableError,
     BatchedDataDict,
     GenerationConfig,
-    GenerationConfigError,
     GenerationDatumSpec,
     GenerationError,
     GenerationInputError,
@@ -27,6 +26,7 @@ from gen_interface import (
     build_generation_output,
     normalize_generation_input,
     sampling_settings_of,
+    with_per_call_overrides,
 )
 from gen_interface.decoding import row_stop_strings
 from gen_interface.sampling import is_greedy, row_seeds_for
@@ -36,7 +36,7 @@ from gen_interface.weights import describe_weight_handles, release_shared_weight
 from gen_vllm.checkpoint import check_update_is_complete
 from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VllmConfig, complete_vllm_config
-from gen_vllm.engine_args import engine_args_for, wants_tokenizer
+from gen_vllm.engine_args import engine_args_for
 from gen_vllm.params import row_sampling_params
 from gen_vllm.replicas import ReplicaSet
 
@@ -49,16 +49,6 @@ State = Literal["ready", "finished", "shut down", "broken"]
 # A fixed sequence every replica scores after a weight update: identical results prove that all
 # replicas run the same weights, packed kernels included.
 _PROBE = list(range(3, 35))
-
-_PER_REQUEST_SETTINGS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop_token_ids",
-    "stop_strings",
-    "seed",
-}
 
 
 class VllmGeneration(GenerationInterface):
@@ -98,12 +88,13 @@ class VllmGeneration(GenerationInterface):
                 f"{cluster.world_size} bundles do not split into engines of "
                 f"tensor_parallel_size={tp}"
             )
-        self._has_tokenizer = wants_tokenizer(self.config)
-        self._sleep = engine_args_for(self.config, use_gpus=cluster.use_gpus)["enable_sleep_mode"]
+        engine_args = engine_args_for(self.config, use_gpus=cluster.use_gpus)
+        self._has_tokenizer = not engine_args["skip_tokenizer_init"]
+        self._sleep = bool(engine_args["enable_sleep_mode"])
         self.replicas = ReplicaSet.start(
             cluster,
             self.config["model_name"],
-            engine_args_for(self.config, use_gpus=cluster.use_gpus),
+            engine_args,
             tensor_parallel_size=tp,
             name_prefix=name_prefix,
             startup_timeout_s=self.config["vllm_cfg"]["startup_timeout_s"],
@@ -146,14 +137,8 @@ class VllmGeneration(GenerationInterface):
         Raises:
             GenerationConfigError: an override names an engine-level setting, or is out of range.
         """
-        engine_level = sorted(set(overrides) - _PER_REQUEST_SETTINGS)
-        if engine_level:
-            raise GenerationConfigError(
-                f"with_sampling cannot change {engine_level}: they are engine settings; "
-                f"it changes {sorted(_PER_REQUEST_SETTINGS)}"
-            )
         view = copy.copy(self)
-        view.config = complete_vllm_config({**self.config, **overrides})
+        view.config = complete_vllm_config(with_per_call_overrides(self.config, overrides))
         view._owner = self
         return view
 
