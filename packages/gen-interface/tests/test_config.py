@@ -78,3 +78,13 @@ def test_backend_settings_are_completed_and_checked_by_name():
         complete_backend_settings(dict(config, x_cfg={"other": 1}), "x_cfg", {"size": 1})
     with pytest.raises(GenerationConfigError, match="x_cfg must be a dict"):
         complete_backend_settings(dict(config, x_cfg=[]), "x_cfg", {"size": 1})
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_seeds_outside_64_bits_are_refused(seed):
+    with pytest.raises(GenerationConfigError, match=r"seed must be .*\[0, 18446744073709551615\]"):
+        configure_generation_config(dict(BASE, seed=seed), Tok(0, 2))
+
+
+def test_the_largest_64_bit_seed_is_accepted():
+    assert configure_generation_config(dict(BASE, seed=2**64 - 1), Tok(0, 2))["seed"] == 2**64 - 1

@@ -77,7 +77,22 @@ def test_row_seeds_depend_only_on_the_base_and_the_row():
     assert derive_row_seeds(None, 4) != derive_row_seeds(None, 4)
     batch = pad_prompts([[1], [2]], "left")
     batch["sample_seeds"] = torch.tensor([11, 12])
-    assert row_seeds_for(normalize_generation_input(batch, pad_token_id=0), 7) == [11, 12]
+    seeds = row_seeds_for(normalize_generation_input(batch, pad_token_id=0), 7)
+    assert seeds == row_seeds_for(normalize_generation_input(batch, pad_token_id=0), 8)
+    assert len(set(seeds)) == 2
+
+
+@pytest.mark.parametrize("gap_bits", [31, 32, 40, 62])
+def test_seeds_differing_only_in_high_bits_give_different_generators(gap_bits):
+    """torch's CPU generator keeps 32 bits of its seed: every bit of ours must reach them."""
+    low, high = 12345, 12345 + (1 << gap_bits)
+    config_pair = [derive_row_seeds(low, 1)[0], derive_row_seeds(high, 1)[0]]
+    batch = pad_prompts([[1], [1]], "left")
+    batch["sample_seeds"] = torch.tensor([low, high], dtype=torch.int64)
+    caller_pair = row_seeds_for(normalize_generation_input(batch, pad_token_id=0), None)
+    for pair in (config_pair, caller_pair):
+        first, second = (torch.randint(0, 2**31, (4,), generator=g) for g in row_generators(pair))
+        assert not torch.equal(first, second)
 
 
 def test_select_next_tokens_greedy_and_sampled():

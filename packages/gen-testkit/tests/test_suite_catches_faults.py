@@ -124,6 +124,16 @@ class SameSeedForEveryRow(NgramGeneration):
         return super().generate(data, greedy)
 
 
+class SeedsCutTo31Bits(NgramGeneration):
+    """Keeps only the low 31 bits of each caller seed, as a positive-int32 RNG API would."""
+
+    def generate(self, data, greedy=False):
+        seeds = data.get("sample_seeds") if isinstance(data, dict) else None
+        if isinstance(seeds, torch.Tensor):
+            data = dict(data, sample_seeds=seeds & (2**31 - 1))
+        return super().generate(data, greedy)
+
+
 class BatchMatesLeak(NgramGeneration):
     """Every row's context also sees the first token of row 0."""
 
@@ -241,6 +251,7 @@ FAULTS: dict[str, tuple[type[NgramGeneration], str, set[str]]] = {
         "raw",
         {"test_rows_sharing_a_prompt_sample_independently"},
     ),
+    "seeds cut to 31 bits": (SeedsCutTo31Bits, "raw", {"test_sample_seeds_keep_all_64_bits"}),
     "batch mates leak": (BatchMatesLeak, "raw", {"test_row_independent_of_batch_mates"}),
     "padding side matters": (PaddingSideMatters, "raw", {"test_padding_layout_does_not_matter"}),
     "empty batch crashes": (EmptyBatchCrashes, "raw", {"test_empty_batch"}),

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar, cast
 
 from gen_interface.errors import GenerationConfigError
+from gen_interface.sampling import MAX_SEED
 from gen_interface.specs import GenerationConfig
 
 __all__ = [
@@ -127,7 +128,7 @@ def validate_generation_config(config: Mapping[str, Any]) -> None:
         )
     seed = config.get("seed")
     if seed is not None:
-        _int_field(config, "seed", minimum=0, hint="None = fresh randomness")
+        _int_field(config, "seed", minimum=0, maximum=MAX_SEED, hint="None = fresh randomness")
     if config.get("dtype", "auto") not in _DTYPES:
         raise GenerationConfigError(f"dtype must be one of {_DTYPES}, got {config.get('dtype')!r}")
     colocated = config.get("colocated", {"enabled": False})
@@ -204,13 +205,21 @@ def sampling_settings_of(config: GenerationConfig) -> tuple[float, int | None, f
     )
 
 
-def _int_field(config: Mapping[str, Any], key: str, *, minimum: int, hint: str = "") -> int:
+def _int_field(
+    config: Mapping[str, Any],
+    key: str,
+    *,
+    minimum: int,
+    maximum: int | None = None,
+    hint: str = "",
+) -> int:
     value = config.get(key)
     extra = f" ({hint})" if hint else ""
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise GenerationConfigError(f"{key} must be an integer >= {minimum}{extra}, got {value!r}")
-    if value < minimum:
-        raise GenerationConfigError(f"{key} must be >= {minimum}{extra}, got {value}")
+        raise GenerationConfigError(f"{key} must be an integer {bound}{extra}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise GenerationConfigError(f"{key} must be {bound}{extra}, got {value}")
     return value
 
 

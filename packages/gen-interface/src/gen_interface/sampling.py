@@ -16,6 +16,7 @@ from gen_interface.inputs import PromptBatch
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "MAX_SEED",
     "derive_row_seeds",
     "is_greedy",
     "processed_log_probs",
@@ -28,7 +29,10 @@ __all__ = [
 GREEDY_TEMPERATURE = 1e-5
 
 _MASK64 = (1 << 64) - 1
-_SEED_BITS = 31  # seeds stay positive int32 values that every RNG API accepts
+
+#: Seeds are unsigned 64-bit integers: what ``torch.Generator.manual_seed`` and vLLM's per-request
+#: ``SamplingParams.seed`` accept. Config seeds must lie in ``[0, MAX_SEED]``.
+MAX_SEED = _MASK64
 
 
 def is_greedy(temperature: float, greedy: bool) -> bool:
@@ -40,16 +44,23 @@ def derive_row_seeds(base_seed: int | None, count: int) -> list[int]:
     """Per-row sampling seeds for rows ``0..count-1`` of one call.
 
     Row i's seed depends only on ``base_seed`` and ``i``: never on the other rows, the batch size
-    or which worker runs the row. ``base_seed=None`` draws a fresh base, so calls differ.
+    or which worker runs the row. ``base_seed=None`` draws a fresh base, so calls differ. Every
+    bit of ``base_seed`` (any value in ``[0, MAX_SEED]``) reaches the low 32 bits of the row
+    seeds, the part torch's CPU generator keeps.
     """
-    base = secrets.randbits(63) if base_seed is None else base_seed
-    return [_splitmix64(base * 0x9E3779B97F4A7C15 + i) >> (64 - _SEED_BITS) for i in range(count)]
+    base = secrets.randbits(64) if base_seed is None else base_seed
+    return [_splitmix64((base * 0x9E3779B97F4A7C15 + i) & _MASK64) for i in range(count)]
 
 
 def row_seeds_for(prompts: PromptBatch, base_seed: int | None) -> list[int]:
-    """The seed of every row: the caller's ``sample_seeds`` when given, else derived."""
+    """The seed of every row: the caller's ``sample_seeds`` when given, else derived.
+
+    Each caller seed goes through splitmix64, a bijection of 64-bit integers, so every bit of it
+    matters even to generators that keep only 32 bits of their seed (torch's CPU generator and
+    vLLM's sampler do): seeds 2^32 apart give unrelated samples, not the same one.
+    """
     if prompts.sample_seeds is not None:
-        return [int(s) & ((1 << _SEED_BITS) - 1) for s in prompts.sample_seeds.tolist()]
+        return [_splitmix64(int(s) & _MASK64) for s in prompts.sample_seeds.tolist()]
     return derive_row_seeds(base_seed, prompts.size)
 
 

@@ -46,7 +46,9 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
     sleep = cfg["enable_sleep_mode"]
     args: dict[str, Any] = {
         "dtype": resolve_dtype(config["model_name"], config.get("dtype", "auto")),
-        "seed": config.get("seed") or 0,
+        # Every sampled request carries its own 64-bit seed (params.py), so the engine's global
+        # seed never decides a sample; vLLM seeds numpy with it, which takes 32 bits only.
+        "seed": (config.get("seed") or 0) & 0xFFFFFFFF,
         "tensor_parallel_size": cfg["tensor_parallel_size"],
         "enforce_eager": cfg["enforce_eager"],
         "enable_prefix_caching": cfg["enable_prefix_caching"],

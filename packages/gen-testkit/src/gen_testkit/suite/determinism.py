@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,6 +48,27 @@ class DeterminismProperties(SuiteBase):
         output = subject.backend.generate(batch, greedy=False)
         rows = {tuple(row.tolist()) for row in output["output_ids"]}
         assert len(rows) > 1, f"8 sampled rows of prompt {prompt} are all identical: {rows}"
+
+    @property_settings
+    @given(data=st.data(), seed=st.integers(0, 2**62), gap_bits=st.sampled_from([31, 32, 48]))
+    def test_sample_seeds_keep_all_64_bits(
+        self, subject: ConformanceSubject, data: st.DataObject, seed: int, gap_bits: int
+    ):
+        """Per-row seeds that differ only in high bits (2^31, 2^32, 2^48 apart) sample
+        differently, and each seed repeats its own sample: no seed bits are dropped."""
+        prompt = data.draw(prompts(subject.vocab_size, min_rows=1, max_rows=1), label="prompt")[0]
+        batch = pad_prompts(
+            [prompt] * 8, "right", pad_token_id=subject.backend.config["pad_token_id"]
+        )
+        low = torch.arange(8, dtype=torch.int64) * 7919 + seed
+        outputs = []
+        for seeds in (low, low + (1 << gap_bits), low):
+            batch["sample_seeds"] = seeds
+            outputs.append(subject.backend.generate(batch, greedy=False))
+        self._assert_same(subject, outputs[0], outputs[2], "the same sample_seeds twice")
+        first = [tuple(row.tolist()) for row in outputs[0]["output_ids"]]
+        moved = [tuple(row.tolist()) for row in outputs[1]["output_ids"]]
+        assert first != moved, f"seeds 2^{gap_bits} apart gave identical samples on all 8 rows"
 
     @property_settings
     @given(data=st.data(), greedy=st.booleans())
