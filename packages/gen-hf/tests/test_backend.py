@@ -194,3 +194,21 @@ def test_with_sampling_shares_the_model_and_its_weights(
         backend.with_sampling(dtype="bfloat16")
     greedy_view.shutdown()
     assert backend.generate(batch, greedy=True)["output_ids"].shape[0] == 2  # owner unaffected
+    with pytest.raises(GenerationError, match=r"front end .* is shut down"):
+        greedy_view.generate(batch, greedy=True)
+
+
+def test_with_sampling_front_ends_share_the_owners_lifecycle(
+    tiny_qwen2: TinyModel, make_config: Callable[..., HfConfig]
+):
+    owner = HfGeneration(make_config(tiny_qwen2))
+    view = owner.with_sampling(max_new_tokens=2)
+    batch = pad_prompts([[5, 6]], "left")
+    owner.finish_generation()
+    with pytest.raises(GenerationError, match="after finish_generation"):
+        view.generate(batch, greedy=True)
+    view.prepare_for_generation()  # a front end's prepare wakes the shared backend
+    assert owner.generate(batch, greedy=True).size == 1
+    owner.shutdown()
+    with pytest.raises(GenerationError, match="shut down"):
+        view.generate(batch, greedy=True)

@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 import torch
 from gen_hf import HfConfig, HfGeneration
-from gen_interface import BatchedDataDict
+from gen_interface import BatchedDataDict, GenerationError
 from gen_interface.weights import share_weights
 from gen_testkit.conformance import (
     ConformanceSubject,
@@ -107,6 +107,10 @@ def test_update_while_offloaded_lands_on_the_gpu_after_prepare(
     backend.finish_generation()
     with share_weights({name: t * 1.5 for name, t in original.items()}) as shared:
         backend.update_weights_from_ipc_handles(shared.handles)
+    # the update woke the weights only: they are on the GPU, and generation still waits
+    assert {p.device.type for p in backend._model().model.parameters()} == {"cuda"}
+    with pytest.raises(GenerationError, match="after finish_generation"):
+        greedy(backend)
     backend.prepare_for_generation()
     assert not torch.equal(greedy(backend)["logprobs"], before["logprobs"])
     backend.shutdown()

@@ -11,7 +11,7 @@ import copy
 import gc
 import threading
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from gen_interface import (
@@ -25,13 +25,13 @@ from gen_interface import (
     GenerationOutputSpec,
     ScoreSpec,
     WeightTransport,
-    WeightUpdateError,
     build_generation_output,
     normalize_generation_input,
     sampling_settings_of,
     with_per_call_overrides,
 )
 from gen_interface.decoding import StopRules
+from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
@@ -55,17 +55,16 @@ from gen_hf.weights import model_tensor_specs, state_dict_specs, write_weights
 
 __all__ = ["HfGeneration"]
 
-State = Literal["ready", "finished", "shut down"]
-
 
 class HfGeneration(GenerationInterface):
     """Any causal LM that ``AutoModelForCausalLM`` loads, on CUDA when present, else the CPU.
 
-    Lifecycle: built ready to generate. ``finish_generation()`` drops what generation holds
-    (the KV cache lives only inside a call; on CUDA with ``colocated.enabled`` the weights also
-    move to the CPU); ``generate`` then raises ``GenerationError`` until
-    ``prepare_for_generation()``. Weight updates are accepted in any state but "shut down".
-    Calls are serialised by a lock, so ``generate_async``'s thread is safe.
+    Lifecycle (``gen_interface.lifecycle``): built ready to generate. ``finish_generation()``
+    drops what generation holds (the KV cache lives only inside a call; on CUDA with
+    ``colocated.enabled`` the weights also move to the CPU, i.e. they sleep); ``generate`` then
+    raises ``GenerationError`` until ``prepare_for_generation()``. A weight update while the
+    weights sleep moves them back to the device first and leaves the backend finished.
+    Model access is serialised by a lock, so ``generate_async``'s thread is safe.
     """
 
     def __init__(self, config: HfConfig):
@@ -98,18 +97,18 @@ class HfGeneration(GenerationInterface):
         self._offload_on_finish = (
             self._device.type == "cuda" and self.config["colocated"]["enabled"]
         )
-        self._offloaded = False
-        self._state: State = "ready"
-        self._is_view = False  # a with_sampling front end, which does not own the model
         self._lock = threading.Lock()
+        self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
+            "HfGeneration", wake=self._wake, release=self._release, close=self._close
+        )
 
     def with_sampling(self, **overrides: Any) -> HfGeneration:
         """Another front end on the same loaded model, with other per-call settings.
 
         Only ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
-        ``stop_strings`` and ``seed`` may change. The front end shares the model and its weights
-        (updates through either reach both) but has its own lifecycle state; shutting it down
-        leaves the model to its owner.
+        ``stop_strings`` and ``seed`` may change. The front end shares the model, its weights
+        (updates through either reach both) and its lifecycle (finishing either finishes both);
+        shutting the front end down leaves the model to its owner.
 
         Raises:
             GenerationConfigError: an override names another setting, or is out of range.
@@ -118,7 +117,7 @@ class HfGeneration(GenerationInterface):
         view.config = complete_hf_config(with_per_call_overrides(self.config, overrides))
         if view.config.get("stop_strings") and view._decode is None:
             raise GenerationConfigError("stop_strings need a tokenizer and this model has none")
-        view._is_view = True
+        view._lifecycle = self._lifecycle.view()
         return view
 
     @property
@@ -185,8 +184,8 @@ class HfGeneration(GenerationInterface):
             top_p=top_p,
             processed=self.config.get("logprobs_mode") == "processed",
         )
-        with self._lock:
-            loaded = self._ready_model()
+        with self._lifecycle.generating(), self._lock:
+            loaded = self._model()
             rules = StopRules.for_call(
                 self.config, prompts, context_limit=self._context_limit, decode=self._decode
             )
@@ -204,8 +203,8 @@ class HfGeneration(GenerationInterface):
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
         batch = normalize_score_input(data, vocab_size=self._vocab_size)
-        with self._lock:
-            loaded = self._ready_model()
+        with self._lifecycle.generating(), self._lock:
+            loaded = self._model()
             if not batch.sequences:
                 return scatter_response_logprobs(batch, [])
             per_row = score_sequences(
@@ -213,37 +212,19 @@ class HfGeneration(GenerationInterface):
             )
         return scatter_response_logprobs(batch, per_row)
 
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
-        with self._lock:
-            if self._state == "shut down":
-                raise GenerationError("the hf backend is shut down; build a new HfGeneration")
-            if self._offloaded and self._loaded is not None:
-                move_model(self._loaded.model, self._device)
-                self._offloaded = False
-            self._state = "ready"
+    def prepare_for_generation(
+        self, *args: Any, tags: list[str] | None = None, **kwargs: Any
+    ) -> None:
+        """Move offloaded weights back to the device. ``tags``: see ``GenerationInterface``."""
+        self._lifecycle.prepare(tags)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> None:
-        with self._lock:
-            if self._state != "ready":
-                return
-            self._state = "finished"
-            if self._offload_on_finish and self._loaded is not None:
-                move_model(self._loaded.model, "cpu")
-                self._offloaded = True
-            _release_device_memory(self._device)
+        """Empty the CUDA cache; with ``colocated.enabled`` on CUDA, move the weights to the CPU."""
+        self._lifecycle.finish()
 
     def shutdown(self) -> None:
-        if self._is_view:
-            self._state = "shut down"
-            return
-        with self._lock:
-            if self._state == "shut down":
-                return
-            self._state = "shut down"
-            self._loaded = None
-            self._decode = None
-            gc.collect()
-            _release_device_memory(self._device)
+        """Free the model (a ``with_sampling`` front end only closes itself). Idempotent."""
+        self._lifecycle.shutdown()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the model's weights by checkpoint name.
@@ -252,9 +233,7 @@ class HfGeneration(GenerationInterface):
             GenerationError: the backend is shut down.
         """
         with self._lock:
-            if self._loaded is None:
-                raise GenerationError("the hf backend is shut down; build a new HfGeneration")
-            model = self._loaded.model
+            model = self._model().model
             return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
 
     def prepare_refit_info(
@@ -265,10 +244,9 @@ class HfGeneration(GenerationInterface):
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         describe_weight_handles(handles)  # malformed handles are refused before anything else
         try:
-            with self._lock:
-                model = self._model_for_update()
+            with self._lifecycle.updating_weights(), self._lock:
                 tensors = read_shared_weights(handles, expected=self._specs)
-                write_weights(model, tensors)
+                write_weights(self._model().model, tensors)
         finally:
             release_shared_weights(handles)
 
@@ -284,26 +262,36 @@ class HfGeneration(GenerationInterface):
                 written), or the backend is shut down.
         """
         check_weights_match(state_dict_specs(state_dict), self._specs)
-        with self._lock:
-            write_weights(self._model_for_update(), state_dict.items())
+        with self._lifecycle.updating_weights(), self._lock:
+            write_weights(self._model().model, state_dict.items())
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _ready_model(self) -> LoadedModel:
-        if self._state == "finished":
-            raise GenerationError(
-                "generate called after finish_generation(); call prepare_for_generation() first"
-            )
-        if self._state == "shut down" or self._loaded is None:
-            raise GenerationError("the hf backend is shut down; build a new HfGeneration")
+    def _model(self) -> LoadedModel:
+        if self._loaded is None:  # a guarded section checked the state; this is a shut-down race
+            raise GenerationError("this HfGeneration is shut down; build a new one")
         return self._loaded
 
-    def _model_for_update(self) -> torch.nn.Module:
-        if self._loaded is None:
-            raise WeightUpdateError(
-                "the hf backend is shut down, so it takes no weight updates; build a new one"
-            )
-        return self._loaded.model
+    def _wake(self, resources: tuple[Resource, ...]) -> None:
+        if "weights" in resources and self._loaded is not None:
+            with self._lock:
+                move_model(self._loaded.model, self._device)
+
+    def _release(self) -> frozenset[Resource]:
+        asleep: frozenset[Resource] = frozenset()
+        with self._lock:
+            if self._offload_on_finish and self._loaded is not None:
+                move_model(self._loaded.model, "cpu")
+                asleep = frozenset({"weights"})
+            _release_device_memory(self._device)
+        return asleep
+
+    def _close(self) -> None:
+        with self._lock:
+            self._loaded = None
+            self._decode = None
+            gc.collect()
+            _release_device_memory(self._device)
 
 
 def _release_device_memory(device: torch.device) -> None:

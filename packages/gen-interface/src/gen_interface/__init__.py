@@ -24,6 +24,7 @@ from gen_interface.errors import (
 )
 from gen_interface.inputs import PromptBatch, normalize_generation_input
 from gen_interface.interface import BackendCapabilities, GenerationInterface, WeightTransport
+from gen_interface.lifecycle import Lifecycle
 from gen_interface.outputs import RowResult, build_generation_output
 from gen_interface.registry import (
     ENTRY_POINT_GROUP,
@@ -62,6 +63,7 @@ __all__ = [
     "GenerationInputError",
     "GenerationInterface",
     "GenerationOutputSpec",
+    "Lifecycle",
     "LogprobsMode",
     "PromptBatch",
     "RowResult",

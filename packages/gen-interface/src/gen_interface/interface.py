@@ -94,14 +94,24 @@ class GenerationInterface(ABC):
 
     @abstractmethod
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
-        """Make the backend ready to generate (wake weights, then caches). Idempotent."""
+        """Make the backend ready to generate (wake weights, then caches). Idempotent.
+
+        Backends accept ``tags``: None (everything) or a subset of ``["weights", "kv_cache"]``,
+        waking only those (NeMo RL's refit order: ``tags=["weights"]``, update,
+        ``tags=["kv_cache"]``). The backend is ready once nothing is asleep. See
+        ``gen_interface.lifecycle`` for the shared state machine.
+
+        Raises:
+            GenerationError: the backend is shut down or broken.
+        """
 
     @abstractmethod
     def finish_generation(self, *args: Any, **kwargs: Any) -> None:
         """Release what generation holds until the next ``prepare_for_generation``.
 
         Afterwards ``generate`` raises ``GenerationError`` until ``prepare_for_generation`` runs;
-        finish then prepare leaves weights and outputs unchanged.
+        finish then prepare leaves weights and outputs unchanged. A weight update while finished
+        wakes only the weights (so it writes into live memory) and leaves the backend finished.
         """
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from gen_interface import (
@@ -18,19 +18,18 @@ from gen_interface import (
     GenerationConfig,
     GenerationConfigError,
     GenerationDatumSpec,
-    GenerationError,
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
     RowResult,
     ScoreSpec,
-    WeightUpdateError,
     build_generation_output,
     normalize_generation_input,
     sampling_settings_of,
     validate_generation_config,
 )
 from gen_interface.decoding import StopRules
+from gen_interface.lifecycle import Lifecycle
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for, select_next_tokens
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import check_weights_match, read_shared_weights, release_shared_weights
@@ -38,8 +37,6 @@ from gen_interface.weights import check_weights_match, read_shared_weights, rele
 from gen_testkit.ngram.model import NgramModel
 
 __all__ = ["NgramConfig", "NgramGeneration"]
-
-State = Literal["ready", "finished", "shut down"]
 
 
 class NgramConfig(GenerationConfig, total=False):
@@ -68,7 +65,7 @@ class NgramGeneration(GenerationInterface):
         self.config = config
         self.model = NgramModel(settings["vocab_size"], settings["order"], settings["init_seed"])
         self.context_limit = int(settings["context_limit"])
-        self._state: State = "ready"
+        self._lifecycle = Lifecycle("ngram backend")
         self._lock = threading.Lock()
 
     @property
@@ -93,8 +90,7 @@ class NgramGeneration(GenerationInterface):
             raise GenerationInputError(
                 "stop_strings need a tokenizer and the ngram backend has none; use stop_token_ids"
             )
-        with self._lock:
-            self._check_ready()
+        with self._lifecycle.generating(), self._lock:
             temperature, top_k, top_p = sampling_settings_of(self.config)
             greedy = is_greedy(temperature, greedy)
             rules = StopRules.for_call(self.config, prompts, context_limit=self.context_limit)
@@ -131,8 +127,7 @@ class NgramGeneration(GenerationInterface):
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
         batch = normalize_score_input(data, vocab_size=self.model.vocab_size)
-        with self._lock:
-            self._check_ready()
+        with self._lifecycle.generating(), self._lock:
             per_row = []
             for sequence, prompt_length in zip(batch.sequences, batch.prompt_lengths):
                 logits = self.model.sequence_logits(sequence[:-1])[prompt_length - 1 :]
@@ -140,20 +135,16 @@ class NgramGeneration(GenerationInterface):
                 per_row.append(logits.log_softmax(-1).gather(1, response[:, None]).squeeze(1))
         return scatter_response_logprobs(batch, per_row)
 
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
-        with self._lock:
-            if self._state == "shut down":
-                raise GenerationError("the ngram backend is shut down; build a new one")
-            self._state = "ready"
+    def prepare_for_generation(
+        self, *args: Any, tags: list[str] | None = None, **kwargs: Any
+    ) -> None:
+        self._lifecycle.prepare(tags)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> None:
-        with self._lock:
-            if self._state == "ready":
-                self._state = "finished"
+        self._lifecycle.finish()
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._state = "shut down"
+        self._lifecycle.shutdown()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the model's weights by name."""
@@ -179,16 +170,6 @@ class NgramGeneration(GenerationInterface):
         self._write(state_dict)
 
     def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        with self._lock:
-            if self._state == "shut down":
-                raise WeightUpdateError("the ngram backend is shut down")
+        with self._lifecycle.updating_weights(), self._lock:
             for name, tensor in tensors.items():
                 self.model.weights[name].copy_(tensor)
-
-    def _check_ready(self) -> None:
-        if self._state == "finished":
-            raise GenerationError(
-                "generate called after finish_generation(); call prepare_for_generation() first"
-            )
-        if self._state == "shut down":
-            raise GenerationError("the ngram backend is shut down; build a new one")
