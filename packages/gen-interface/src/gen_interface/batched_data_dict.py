@@ -5,10 +5,12 @@ Every value is batched along its first dimension: a tensor ``[B, ...]`` or a lis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["BatchedDataDict"]
@@ -108,6 +110,156 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
             for k in range(shards)
         ]
 
+    def get_dict(self) -> dict[str, Any]:
+        """A plain ``dict`` holding the same values (a shallow copy; NeMo RL returns its own)."""
+        return dict(self)
+
+    def chunk(self, rank: int, chunks: int) -> BatchedDataDict[DictT]:
+        """Contiguous part ``rank`` of ``chunks``: rows ``[rank*n, (rank+1)*n)``, ``n = B/chunks``.
+
+        Tensors are cloned, lists copied. NeMo RL asserts ``B // chunks > rank``, which refuses
+        parts that exist (``B=4, chunks=4, rank=1``); this checks ``0 <= rank < chunks`` instead.
+
+        Raises:
+            ValueError: ``chunks < 1``, ``rank`` outside ``[0, chunks)``, or ``B % chunks != 0``.
+        """
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if not 0 <= rank < chunks:
+            raise ValueError(f"rank must be in [0, {chunks}), got {rank}")
+        total = self.size
+        if total % chunks:
+            raise ValueError(f"batch size {total} is not a multiple of chunks={chunks}")
+        part = self.slice(rank * (total // chunks), (rank + 1) * (total // chunks))
+        return type(self)(
+            {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in part.items()}
+        )
+
+    def reorder_data(self, reordered_indices: Sequence[int] | torch.Tensor) -> None:
+        """In place, move row ``i`` to position ``reordered_indices[i]`` (a scatter, as NeMo RL).
+
+        This undoes a gather: after ``b = a.select_indices(p)``, ``b.reorder_data(p)`` gives ``a``.
+
+        Raises:
+            ValueError: ``reordered_indices`` is not a permutation of ``range(B)``.
+        """
+        if isinstance(reordered_indices, torch.Tensor):
+            reordered_indices = reordered_indices.reshape(-1).tolist()
+        order = [operator.index(i) for i in reordered_indices]
+        total = self.size
+        if sorted(order) != list(range(total)):
+            raise ValueError(
+                f"reordered_indices must be a permutation of range({total}), "
+                f"got {len(order)} indices starting {order[:8]}"
+            )
+        source = [0] * total  # source[j] is the row that lands at position j
+        for i, j in enumerate(order):
+            source[j] = i
+        index = torch.tensor(source, dtype=torch.long)
+        for key, value in self.items():
+            if isinstance(value, torch.Tensor):
+                self[key] = value.index_select(0, index.to(value.device))
+            else:
+                self[key] = [value[i] for i in source]
+
+    def get_batch(self, batch_idx: int, batch_size: int | None = None) -> BatchedDataDict[DictT]:
+        """Rows ``[batch_size*batch_idx, batch_size*(batch_idx+1))`` (views for tensors).
+
+        NeMo RL's non-packing path; ``batch_size`` is required there too (``None`` fails).
+
+        Raises:
+            ValueError: ``batch_size`` missing or < 1, or the batch does not lie within ``B`` rows.
+        """
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"get_batch needs a batch_size >= 1, got {batch_size}")
+        total = self.size
+        if batch_idx < 0 or batch_size * (batch_idx + 1) > total:
+            raise ValueError(
+                f"batch_idx {batch_idx} out of range: {total} rows hold "
+                f"{total // batch_size} batches of {batch_size}"
+            )
+        return self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
+
+    def truncate_tensors(self, dim: int, truncated_len: int) -> None:
+        """In place, keep the first ``truncated_len`` entries along ``dim`` of every tensor.
+
+        Tensors with ``dim`` or fewer dimensions, and lists, are untouched; the result is a view
+        (``torch.narrow``). Everything is checked before anything changes.
+
+        Raises:
+            ValueError: ``dim < 0``, ``truncated_len < 0``, or a tensor shorter than
+                ``truncated_len`` along ``dim``.
+        """
+        if dim < 0 or truncated_len < 0:
+            raise ValueError(f"dim and truncated_len must be >= 0, got {dim}, {truncated_len}")
+        targets = [k for k, v in self.items() if isinstance(v, torch.Tensor) and v.dim() > dim]
+        for key in targets:
+            if self[key].shape[dim] < truncated_len:
+                raise ValueError(
+                    f"{key!r} has {self[key].shape[dim]} entries on dim {dim}, "
+                    f"cannot truncate to {truncated_len}"
+                )
+        for key in targets:
+            self[key] = torch.narrow(self[key], dim, 0, truncated_len)
+
+    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[BatchedDataDict[DictT]]:
+        """Consecutive slices of ``microbatch_size`` rows (views), ``B / microbatch_size`` of them.
+
+        Arguments are checked when called, not at the first ``next``.
+
+        Raises:
+            ValueError: ``microbatch_size < 1`` or ``B`` not a multiple of it.
+        """
+        total = self.size
+        if microbatch_size < 1 or total % microbatch_size:
+            raise ValueError(
+                f"batch size {total} is not a multiple of microbatch_size={microbatch_size}"
+            )
+        return (self.slice(i, i + microbatch_size) for i in range(0, total, microbatch_size))
+
+    def all_gather(self, group: dist.ProcessGroup | None = None) -> BatchedDataDict[DictT]:
+        """Every rank's rows, concatenated in rank order, on every rank of ``group``.
+
+        A collective: every rank of ``group`` must call it. Ranks may hold different ``B``;
+        tensors are gathered on their own device (CPU with gloo, CUDA with nccl) after padding
+        dim 0 to the largest ``B``, then trimmed. Lists travel through ``all_gather_object`` and
+        come back flattened. The keys, kinds, dtypes and trailing shapes are exchanged first, so
+        a mismatch raises the same error on every rank instead of hanging a collective.
+
+        Raises:
+            TypeError: a value on any rank is neither a tensor nor a list/tuple.
+            ValueError: the ranks disagree on keys, on a key's kind or dtype, or on a tensor's
+                trailing dims; or a tensor is 0-d.
+        """
+        world = dist.get_world_size(group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, {k: _describe(v) for k, v in self.items()}, group=group)
+        metas: list[dict[str, tuple[Any, ...]]] = gathered
+        keys = list(metas[0])  # rank 0's order, so every rank runs the collectives alike
+        out: dict[str, Any] = {}
+        for rank, meta in enumerate(metas):
+            if set(meta) != set(keys):
+                raise ValueError(f"rank {rank} has keys {sorted(meta)}, rank 0 has {sorted(keys)}")
+        for key in keys:
+            descs = [meta[key] for meta in metas]
+            for rank, desc in enumerate(descs):
+                if desc[0] == "other":
+                    raise TypeError(
+                        f"all_gather: {key!r} on rank {rank} is a {desc[1]}; use a tensor or a list"
+                    )
+            if len({d[0] for d in descs}) > 1:
+                raise ValueError(f"all_gather: {key!r} is a tensor on some ranks, a list on others")
+            if descs[0][0] == "list":
+                out[key] = [item for d in descs for item in d[1]]
+                continue
+            if any(len(d[1]) == 0 for d in descs) or len({(d[1][1:], d[2]) for d in descs}) > 1:
+                raise ValueError(
+                    f"all_gather: {key!r} needs dims >= 1 and the same trailing shape and dtype "
+                    f"on every rank, got (shape, dtype) {[(d[1], d[2]) for d in descs]}"
+                )
+            out[key] = _gather_jagged(self[key], [d[1][0] for d in descs], group)
+        return type(self)(out)
+
     @classmethod
     def from_batches(
         cls,
@@ -153,6 +305,29 @@ def _batch_len(key: str, value: Any) -> int:
     raise ValueError(
         f"BatchedDataDict value {key!r} is a {type(value).__name__}; use a tensor or a list"
     )
+
+
+def _describe(value: Any) -> tuple[Any, ...]:
+    """What ``all_gather`` exchanges first about a value: its kind and, for lists, the items."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, list | tuple):
+        return ("list", list(value))
+    return ("other", type(value).__name__)
+
+
+def _gather_jagged(
+    tensor: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` (``[sizes[rank], ...]``) in rank order."""
+    longest = max(sizes)
+    if longest == 0:
+        return tensor.new_empty((0, *tensor.shape[1:]))
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
 
 
 def _even_bounds(total: int, parts: int) -> list[int]:
