@@ -12,6 +12,8 @@ from gen_interface.weights import (
     bytes_checksum,
     check_weights_match,
     describe_weight_handles,
+    handles_for_device,
+    merge_weight_handles,
     read_shared_weights,
     release_shared_weights,
     share_weights,
@@ -170,3 +172,79 @@ def test_cuda_tensors_share_through_ipc_handles():
         payload = _read_in_another_process(shared.handles, release=False)
     for name, tensor in payload:
         assert torch.equal(tensor.cpu(), weights[name].cpu())
+
+
+def _gpu_copy(uuid: str, names: list[str], shape: list[int] | None = None) -> dict:
+    """A CUDA IPC bucket's description (no GPU needed to describe one)."""
+    shape = shape or [4]
+    slots = [
+        {"name": n, "dtype": "float32", "shape": shape, "offset": 64 * i, "nbytes": 4 * shape[0]}
+        for i, n in enumerate(names)
+    ]
+    return {
+        "transport": "cuda_ipc",
+        "location": "",
+        "ipc_args": b"",
+        "device_uuid": uuid,
+        "nbytes": 64 * len(names),
+        "checksum": 0,
+        "tensors": slots,
+    }
+
+
+def _handles(*buckets, host="h") -> dict:
+    return {"format": 1, "host": host, "buckets": list(buckets)}
+
+
+def test_each_worker_reads_the_copy_on_its_own_gpu():
+    """Two generation GPUs, one copy of the weights on each: every worker finds its own."""
+    handles = _handles(_gpu_copy("GPU-a", ["w", "b"]), _gpu_copy("GPU-b", ["w", "b"]))
+    assert set(describe_weight_handles(handles)) == {"w", "b"}  # names repeat across GPUs
+    for uuid in ("GPU-a", "GPU-b"):
+        mine = handles_for_device(handles, uuid)["buckets"]
+        assert [b["device_uuid"] for b in mine] == [uuid]
+    with pytest.raises(WeightUpdateError, match=r"on GPUs \['GPU-a', 'GPU-b'\].*devices="):
+        handles_for_device(handles, "GPU-c")
+    with pytest.raises(WeightUpdateError, match="the CPU"):
+        handles_for_device(handles, None)
+
+
+def test_a_worker_without_a_copy_on_its_gpu_reads_host_memory():
+    with share_weights({"w": torch.ones(4), "b": torch.zeros(4)}) as shared:
+        merged = merge_weight_handles(
+            [shared.handles, _handles(_gpu_copy("GPU-a", ["w", "b"]), host=shared.handles["host"])]
+        )
+        assert handles_for_device(merged, "GPU-a")["buckets"][0]["transport"] == "cuda_ipc"
+        assert {b["transport"] for b in handles_for_device(merged, "GPU-z")["buckets"]} == {"shm"}
+        assert {b["transport"] for b in handles_for_device(merged, None)["buckets"]} == {"shm"}
+
+
+def test_merging_refuses_copies_that_clash_or_differ():
+    a, b = _handles(_gpu_copy("GPU-a", ["w"])), _handles(_gpu_copy("GPU-b", ["w"]))
+    assert len(merge_weight_handles([a, b])["buckets"]) == 2
+    with pytest.raises(WeightUpdateError, match="both hold weights in GPU-a"):
+        merge_weight_handles([a, a])
+    with pytest.raises(WeightUpdateError, match="different tensors in GPU-a and in GPU-b"):
+        merge_weight_handles([a, _handles(_gpu_copy("GPU-b", ["w"], shape=[8]))])
+    with pytest.raises(WeightUpdateError, match="different hosts"):
+        merge_weight_handles([a, _handles(_gpu_copy("GPU-b", ["w"]), host="elsewhere")])
+    with pytest.raises(WeightUpdateError, match="twice in GPU-a"):
+        describe_weight_handles(_handles(_gpu_copy("GPU-a", ["w"]), _gpu_copy("GPU-a", ["w"])))
+
+
+@pytest.mark.gpu
+def test_a_copy_on_every_gpu_reaches_a_reader_on_each():
+    """``share_weights(devices=...)`` places one copy per GPU; each reads bit-identical tensors."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    weights = {"w": torch.randn(128, 64, device="cuda:0"), "b": torch.randn(64, device="cuda:0")}
+    with share_weights(weights, devices=[0, 1]) as shared:
+        places = {b["device_uuid"] for b in shared.handles["buckets"]}
+        assert len(places) == 2
+        for index in (0, 1):
+            with torch.cuda.device(index):
+                uuid = torch.cuda.get_device_properties(index).uuid
+                mine = handles_for_device(shared.handles, f"GPU-{uuid}")
+                for name, tensor in read_shared_weights(mine):
+                    assert tensor.device.index == index
+                    assert torch.equal(tensor.cpu(), weights[name].cpu())

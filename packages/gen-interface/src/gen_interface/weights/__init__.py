@@ -17,6 +17,7 @@ from gen_interface.weights.consumer import (
     TensorSpecs,
     check_weights_match,
     handles_for_device,
+    merge_weight_handles,
     read_shared_weights,
     release_shared_weights,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "check_weights_match",
     "describe_weight_handles",
     "handles_for_device",
+    "merge_weight_handles",
     "read_shared_weights",
     "release_shared_weights",
     "share_weights",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,13 +11,22 @@ import torch
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import bytes_checksum
 from gen_interface.weights.cuda_ipc import import_cuda_bucket
-from gen_interface.weights.handles import describe_weight_handles, dtype_from_name, dtype_name
+from gen_interface.weights.handles import (
+    HANDLES_FORMAT,
+    WeightBucket,
+    WeightHandles,
+    bucket_place,
+    describe_weight_handles,
+    dtype_from_name,
+    dtype_name,
+)
 from gen_interface.weights.shm import map_segment, unlink_segment
 
 __all__ = [
     "TensorSpecs",
     "check_weights_match",
     "handles_for_device",
+    "merge_weight_handles",
     "read_shared_weights",
     "release_shared_weights",
 ]
@@ -94,27 +103,64 @@ def read_shared_weights(
     return out
 
 
-def handles_for_device(handles: Mapping[str, Any], device_uuid: str) -> dict[str, Any]:
-    """The part of ``handles`` a worker on the GPU ``device_uuid`` reads.
+def handles_for_device(handles: Mapping[str, Any], device_uuid: str | None) -> dict[str, Any]:
+    """The copy of the weights a worker reads: the one on its own GPU, else the one in host
+    memory.
 
-    A trainer with weights on several GPUs shares each GPU's copy as CUDA IPC buckets; a worker
-    maps only the buckets of its own GPU. Shared-memory buckets are kept for everyone.
+    Args:
+        handles: ``SharedWeights.handles``, perhaps merged from several producers.
+        device_uuid: the worker's GPU (``"GPU-..."``), or None for a worker on the CPU.
 
     Raises:
-        WeightUpdateError: the handles hold CUDA buckets, none of them on this GPU.
+        WeightUpdateError: no copy is on this GPU and none is in host memory; the message says
+            how to share so that every worker finds one.
     """
-    buckets = [
-        b
-        for b in handles["buckets"]
-        if b["transport"] != "cuda_ipc" or b["device_uuid"] == device_uuid
-    ]
-    cuda = [b for b in handles["buckets"] if b["transport"] == "cuda_ipc"]
-    if cuda and not any(b["transport"] == "cuda_ipc" for b in buckets):
-        on = sorted({b["device_uuid"] for b in cuda})
-        raise WeightUpdateError(
-            f"weights were shared on GPUs {on}, none of them this worker's GPU {device_uuid}"
-        )
-    return {**handles, "buckets": buckets}
+    buckets = handles["buckets"]
+    if device_uuid is not None:
+        here = [b for b in buckets if bucket_place(b) == device_uuid]
+        if here:
+            return {**handles, "buckets": here}
+    host = [b for b in buckets if b["transport"] == "shm"]
+    if host or not buckets:
+        return {**handles, "buckets": host}
+    on = sorted({b["device_uuid"] for b in buckets})
+    raise WeightUpdateError(
+        f"weights were shared on GPUs {on}, and this worker runs on "
+        f"{device_uuid or 'the CPU'}: CUDA IPC reaches only a process on the same GPU. Share a "
+        "copy on every generation GPU (share_weights(state_dict, devices=backend's device ids)), "
+        "merge the handles of trainer ranks on those GPUs (merge_weight_handles), or share CPU "
+        "tensors (host memory reaches every worker on the machine)"
+    )
+
+
+def merge_weight_handles(parts: Sequence[Mapping[str, Any]]) -> WeightHandles:
+    """One set of handles from several producers, e.g. each trainer rank sharing on its own GPU.
+
+    Each part keeps its places (GPUs, host memory); a place may come from one part only.
+
+    Raises:
+        WeightUpdateError: the parts come from different hosts, or two of them hold a copy in
+            the same place, or their copies differ (see ``describe_weight_handles``).
+    """
+    if not parts:
+        raise WeightUpdateError("merge_weight_handles needs at least one set of handles")
+    hosts = {part["host"] for part in parts}
+    if len(hosts) > 1:
+        raise WeightUpdateError(f"cannot merge weight handles shared on different hosts {hosts}")
+    seen: dict[str, int] = {}
+    buckets: list[WeightBucket] = []
+    for index, part in enumerate(parts):
+        describe_weight_handles(part)
+        for place in {bucket_place(b) for b in part["buckets"]}:
+            if place in seen:
+                raise WeightUpdateError(
+                    f"handles {seen[place]} and {index} both hold weights in {place}"
+                )
+            seen[place] = index
+        buckets.extend(part["buckets"])
+    merged = WeightHandles(format=HANDLES_FORMAT, host=hosts.pop(), buckets=buckets)
+    describe_weight_handles(merged)
+    return merged
 
 
 def release_shared_weights(handles: Mapping[str, Any]) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from gen_interface.errors import WeightUpdateError
 
-__all__ = ["device_uuid", "export_cuda_bucket", "import_cuda_bucket"]
+__all__ = ["device_index", "device_uuid", "export_cuda_bucket", "import_cuda_bucket"]
 
 # Position of the device index in torch's rebuild_cuda_tensor arguments.
 _STORAGE_DEVICE_ARG = 6
@@ -22,6 +22,18 @@ def device_uuid(device: torch.device | int) -> str:
     """The UUID of a CUDA device (``"GPU-5b2c..."``): stable across processes, unlike indices."""
     props = torch.cuda.get_device_properties(device)
     return f"GPU-{props.uuid}"
+
+
+def device_index(uuid: str) -> int:
+    """This process's index of the GPU with UUID ``uuid``.
+
+    Raises:
+        ValueError: no visible GPU has that UUID.
+    """
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise ValueError(f"no GPU visible to this process has UUID {uuid}")
 
 
 def export_cuda_bucket(bucket: torch.Tensor) -> bytes:

@@ -18,6 +18,7 @@ __all__ = [
     "TensorSlot",
     "WeightBucket",
     "WeightHandles",
+    "bucket_place",
     "describe_weight_handles",
     "dtype_from_name",
     "dtype_name",
@@ -101,13 +102,26 @@ def dtype_from_name(name: str) -> torch.dtype:
         ) from None
 
 
+def bucket_place(bucket: Mapping[str, Any]) -> str:
+    """Where a bucket lives: its GPU's UUID for CUDA IPC buckets, ``"host"`` for shared memory.
+
+    Handles may hold one full copy of the weights per place (``share_weights(devices=...)``), so
+    that every worker reads the copy on its own GPU.
+    """
+    return str(bucket["device_uuid"]) if bucket["transport"] == "cuda_ipc" else "host"
+
+
 def describe_weight_handles(
     handles: Mapping[str, Any],
 ) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``{name: (shape, dtype)}`` of every tensor the handles carry, without reading any bytes.
 
+    When the handles hold a copy per place (several GPUs, or GPUs and host memory), every copy
+    must carry the same tensors; the description is that of one copy.
+
     Raises:
-        WeightUpdateError: the handles are malformed, of another format, or name a tensor twice.
+        WeightUpdateError: the handles are malformed, of another format, name a tensor twice in
+            one place, or hold copies that differ.
     """
     if not isinstance(handles, Mapping) or handles.get("format") != HANDLES_FORMAT:
         got = handles.get("format") if isinstance(handles, Mapping) else type(handles).__name__
@@ -115,13 +129,16 @@ def describe_weight_handles(
             f"weight handles must come from gen_interface.weights.share_weights "
             f"(format {HANDLES_FORMAT}), got format {got!r}"
         )
-    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    places: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
     try:
         for bucket in handles["buckets"]:
+            out = places.setdefault(bucket_place(bucket), {})
             for slot in bucket["tensors"]:
                 name = slot["name"]
                 if name in out:
-                    raise WeightUpdateError(f"weight handles carry {name!r} twice")
+                    raise WeightUpdateError(
+                        f"weight handles carry {name!r} twice in {bucket_place(bucket)}"
+                    )
                 dtype = dtype_from_name(slot["dtype"])
                 shape = torch.Size(slot["shape"])
                 if slot["nbytes"] != shape.numel() * dtype.itemsize:
@@ -136,4 +153,14 @@ def describe_weight_handles(
         raise WeightUpdateError(
             f"weight handles are malformed: missing or bad field {exc}"
         ) from exc
-    return out
+    copies = list(places.items())
+    if not copies:
+        return {}
+    first_place, first = copies[0]
+    for place, specs in copies[1:]:
+        if specs != first:
+            raise WeightUpdateError(
+                f"weight handles hold different tensors in {first_place} and in {place}: every "
+                "place must hold a full copy of the same weights"
+            )
+    return first

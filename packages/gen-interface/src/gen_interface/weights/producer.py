@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import socket
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from gen_interface.weights.checksum import bytes_checksum
-from gen_interface.weights.cuda_ipc import device_uuid, export_cuda_bucket
+from gen_interface.weights.cuda_ipc import device_index, device_uuid, export_cuda_bucket
 from gen_interface.weights.handles import (
     HANDLES_FORMAT,
     TensorSlot,
@@ -63,9 +63,10 @@ def share_weights(
     state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    devices: Sequence[torch.device | int | str] | None = None,
 ) -> SharedWeights:
     """Pack tensors into shared buckets: CPU tensors into shared memory, CUDA tensors into CUDA IPC
-    buckets on their own GPU.
+    buckets on their own GPU, or on each of ``devices``.
 
     Tensors are copied once into the buckets (the trainer may change its copies afterwards) and
     laid out in the order given, each 64-byte aligned; a bucket closes when the next tensor would
@@ -74,6 +75,10 @@ def share_weights(
     Args:
         state_dict: ``{name: tensor}`` or ``(name, tensor)`` pairs, names as in the checkpoint.
         bucket_bytes: the target bucket size in bytes.
+        devices: GPUs to place a full copy on, one per GPU, so that each generation worker reads
+            the copy on its own GPU (CUDA IPC reaches only the same GPU): CUDA devices, indices,
+            or GPU UUIDs such as a backend's ``device_ids()``. Default: each tensor stays on its
+            own device.
 
     Returns:
         A ``SharedWeights`` owning the buckets, whose ``handles`` are picklable plain data.
@@ -90,8 +95,12 @@ def share_weights(
         raise ValueError("share_weights got the same tensor name twice")
 
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in items:
-        by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
+    if devices is None:
+        for name, tensor in items:
+            by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
+    else:
+        for device in dict.fromkeys(_cuda_device(d) for d in devices):
+            by_device[device] = [(name, tensor.detach()) for name, tensor in items]
 
     buckets: list[WeightBucket] = []
     segments: list[str] = []
@@ -130,6 +139,16 @@ def share_weights(
         raise
     handles = WeightHandles(format=HANDLES_FORMAT, host=socket.gethostname(), buckets=buckets)
     return SharedWeights(handles, segments, cuda_buckets)
+
+
+def _cuda_device(device: torch.device | int | str) -> torch.device:
+    """A CUDA device from a device, an index or a GPU UUID (``"GPU-..."``)."""
+    if isinstance(device, str) and device.startswith("GPU-"):
+        return torch.device("cuda", device_index(device))
+    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if resolved.type != "cuda":
+        raise ValueError(f"share_weights(devices=...) takes CUDA devices, got {device!r}")
+    return resolved
 
 
 def _plan_buckets(
@@ -174,7 +193,7 @@ def _fill(
     for (_, tensor), slot in zip(group, slots, strict=True):
         if slot["nbytes"]:
             source = tensor.contiguous().reshape(-1).view(torch.uint8)
-            data[slot["offset"] : slot["offset"] + slot["nbytes"]].copy_(source)
+            data[slot["offset"] : slot["offset"] + slot["nbytes"]].copy_(source)  # across GPUs too
 
 
 def _aligned(nbytes: int) -> int:
