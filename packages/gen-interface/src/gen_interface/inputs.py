@@ -38,6 +38,18 @@ class PromptBatch:
     def size(self) -> int:
         return int(self.input_lengths.shape[0])
 
+    def select(self, indices: list[int]) -> PromptBatch:
+        """The rows at ``indices``, in that order, trimmed to their longest prompt."""
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        lengths = self.input_lengths.index_select(0, index)
+        width = int(lengths.max()) if len(indices) else 0
+        return PromptBatch(
+            input_ids=self.input_ids.index_select(0, index)[:, :width].contiguous(),
+            input_lengths=lengths,
+            stop_strings=[self.stop_strings[i] for i in indices],
+            sample_seeds=None if self.sample_seeds is None else self.sample_seeds[index],
+        )
+
     def prompts(self) -> list[list[int]]:
         """Each row's unpadded prompt as a list of token ids."""
         return [row[:n].tolist() for row, n in zip(self.input_ids, self.input_lengths.tolist())]

@@ -16,7 +16,7 @@ from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.inputs import PromptBatch
 from gen_interface.specs import GenerationOutputSpec
 
-__all__ = ["RowResult", "build_generation_output"]
+__all__ = ["RowResult", "build_generation_output", "build_row_output"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,10 @@ def build_generation_output(
         unpadded_sequence_lengths=total,
         truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
     )
+
+
+def build_row_output(
+    prompts: PromptBatch, index: int, row: RowResult, pad_token_id: int
+) -> BatchedDataDict[GenerationOutputSpec]:
+    """The one-row output of row ``index`` (what ``generate_async`` yields), ``L = p_i + g_i``."""
+    return build_generation_output(prompts.select([index]), [row], pad_token_id)
