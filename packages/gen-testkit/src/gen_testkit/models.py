@@ -56,6 +56,7 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     init_std: float = 0.15
     seed: int = 0
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix (most small RL models)
 
     def __post_init__(self) -> None:
         head_dim, rest = divmod(self.hidden_size, self.num_attention_heads)
@@ -74,7 +75,10 @@ class TinyModelSpec:
     @property
     def key(self) -> str:
         """A short, stable name for the spec, used as its cache directory."""
-        blob = json.dumps({"format": _FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not fields["tie_word_embeddings"]:  # keys of specs from before the field stay put
+            del fields["tie_word_embeddings"]
+        blob = json.dumps({"format": _FORMAT, **fields}, sort_keys=True)
         return f"{self.architecture}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
     def parameter_count(self) -> int:
@@ -86,13 +90,16 @@ class TinyModelSpec:
         )
         kv = h // self.num_attention_heads * self.num_key_value_heads
         attn = h * h * 2 + h * kv * 2 + (h + 2 * kv if self.architecture == "qwen2" else 0)
-        return 2 * v * h + n * (attn + 3 * h * i + 2 * h) + h
+        embeddings = (1 if self.tie_word_embeddings else 2) * v * h
+        return embeddings + n * (attn + 3 * h * i + 2 * h) + h
 
 
 #: Named specs used across the project's tests, benchmarks and the parity command.
 PRESETS: dict[str, TinyModelSpec] = {
     "tiny-qwen2": TinyModelSpec(architecture="qwen2"),
     "tiny-llama": TinyModelSpec(architecture="llama", seed=1),
+    # lm_head tied to the embeddings: the checkpoint holds one matrix under one name.
+    "tiny-qwen2-tied": TinyModelSpec(architecture="qwen2", seed=2, tie_word_embeddings=True),
     # About 50M parameters: the size the throughput benchmarks use.
     "bench-50m": TinyModelSpec(
         architecture="qwen2",
@@ -185,7 +192,7 @@ def _write_model(spec: TinyModelSpec, out: Path) -> None:
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,

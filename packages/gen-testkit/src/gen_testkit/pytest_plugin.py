@@ -69,3 +69,10 @@ def tiny_qwen2(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
 def tiny_llama(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
     """The ``tiny-llama`` preset: Llama, hidden 128, 2 layers, vocab 512, float32."""
     return tiny_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
+    """The ``tiny-qwen2-tied`` preset: ``tiny-qwen2``'s shape with ``lm_head`` tied to the
+    embeddings, so its checkpoint holds no ``lm_head.weight``."""
+    return tiny_model("tiny-qwen2-tied")
