@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> BatchedDataDict:
     parser.add_argument("--model", help="model directory or hub name (default: a tiny model)")
     parser.add_argument("--replicas", type=int, default=1, help="data-parallel vLLM engines")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument(
+        "--cpu", action="store_true", help="run on CPUs even where Ray sees GPUs"
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         from gen_testkit.models import build_tiny_model
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> BatchedDataDict:
     tokenizer = get_tokenizer(config["model_name"])
     config = configure_generation_config(config, tokenizer)
     # Initialize the cluster and generation backend
-    cluster = RayVirtualCluster(bundle_ct_per_node_list=[args.replicas])
+    cluster = RayVirtualCluster(
+        bundle_ct_per_node_list=[args.replicas], use_gpus=False if args.cpu else None
+    )
     generator = VllmGeneration(cluster, config)
     try:
         # Prepare input data: token ids only; the tokenizer stays outside the backend

@@ -41,9 +41,13 @@ def built_backends(names, model, **engine_settings) -> Iterator[dict[str, Genera
     try:
         for name in names:
             config = {"backend": name, "model_name": str(model.path), **engine_settings}
+            options = {}
             if name == "vllm":
                 config["vllm_cfg"] = {"cpu_kv_cache_gib": 0.25}
-            built[name] = create_generation_backend(configure_generation_config(config, tokenizer))
+                options["use_gpus"] = False  # the session's Ray also counts logical GPUs
+            built[name] = create_generation_backend(
+                configure_generation_config(config, tokenizer), **options
+            )
         yield built
     finally:
         for backend in built.values():

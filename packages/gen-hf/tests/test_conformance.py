@@ -65,3 +65,14 @@ class TestHfLlamaRaw(TestHfQwen2Raw):
         subject = hf_subject(tiny_llama, "raw")
         yield subject
         subject.backend.shutdown()
+
+
+class TestHfTiedEmbeddings(TestHfQwen2Raw):
+    """lm_head tied to the embeddings: updates carry the one matrix under its one name."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, tiny_qwen2_tied: TinyModel) -> Iterator[ConformanceSubject]:
+        subject = hf_subject(tiny_qwen2_tied, "raw")
+        yield subject
+        subject.backend.shutdown()

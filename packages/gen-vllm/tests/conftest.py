@@ -11,15 +11,21 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 KV_GIB = 0.25
 
 
+#: Logical GPUs of the test Ray where no GPU is present: the fake engine's tests run the CUDA
+#: code paths (GPU bundles, sleep mode, tensor parallelism) on them. Ray only counts them.
+LOGICAL_GPUS = 8
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the session, with more logical CPUs than cores so that the shared
-    engines (one bundle of 1 CPU each) can all stay up at once."""
+    engines (one bundle of 1 CPU each) can all stay up at once, and logical GPUs for the fake
+    engine. Real engines are built on CPU bundles (``use_gpus=False``)."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=16, num_gpus=LOGICAL_GPUS, include_dashboard=False, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()
@@ -37,7 +43,7 @@ class EngineCache:
 
         key = (str(model.path), replicas, logprobs_mode, tuple(sorted(overrides.items())))
         if key not in self._engines:
-            cluster = RayVirtualCluster([replicas], num_cpus_per_bundle=1)
+            cluster = RayVirtualCluster([replicas], use_gpus=False, num_cpus_per_bundle=1)
             config = conformance_config(
                 backend="vllm",
                 model_name=str(model.path),

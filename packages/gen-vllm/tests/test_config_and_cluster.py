@@ -50,16 +50,19 @@ def test_engine_args_on_cpu_and_gpu():
     assert cpu["kv_cache_memory_bytes"] == 1 << 30 and not cpu["enable_sleep_mode"]
     assert cpu["block_size"] == 32 and "gpu_memory_utilization" not in cpu
     gpu = engine_args_for(config, use_gpus=True)
-    assert gpu["enable_sleep_mode"] and gpu["gpu_memory_utilization"] == 0.8
+    assert not gpu["enable_sleep_mode"] and gpu["gpu_memory_utilization"] == 0.8
+    colocated = engine_args_for(dict(config, colocated={"enabled": True}), use_gpus=True)
+    assert colocated["enable_sleep_mode"]  # sleep only when a trainer shares the GPUs
 
 
 def test_cluster_reserves_bundles_and_refuses_what_is_not_there(ray_session):
     from gen_vllm import RayVirtualCluster
 
-    with RayVirtualCluster([2], num_cpus_per_bundle=1) as cluster:
+    with RayVirtualCluster([2], use_gpus=False, num_cpus_per_bundle=1) as cluster:
         assert cluster.world_size == 2 and not cluster.use_gpus
         assert [b.local_index for b in cluster.bundles] == [0, 1]
     with pytest.raises(BackendUnavailableError, match="could not reserve"):
-        RayVirtualCluster([1], num_cpus_per_bundle=64, placement_timeout_s=3)
-    with pytest.raises(BackendUnavailableError, match="no GPU"):
-        RayVirtualCluster([1], use_gpus=True)
+        RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=64, placement_timeout_s=3)
+    too_many = int(ray_session.cluster_resources()["GPU"]) + 1
+    with pytest.raises(BackendUnavailableError, match="could not reserve"):
+        RayVirtualCluster([too_many], use_gpus=True, placement_timeout_s=3)

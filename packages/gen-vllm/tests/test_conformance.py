@@ -31,3 +31,13 @@ class TestProcessedLogprobs(TestOneReplica):
     def subject(cls, engines, tiny_llama):
         backend = engines.get(tiny_llama, replicas=1, logprobs_mode="processed")
         return ConformanceSubject(backend, tiny_llama.vocab_size, tiny_llama.state_dict())
+
+
+class TestTiedEmbeddings(TestOneReplica):
+    """lm_head tied to the embeddings, as in most small RL models."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, engines, tiny_qwen2_tied):
+        backend = engines.get(tiny_qwen2_tied, replicas=1)
+        return ConformanceSubject(backend, tiny_qwen2_tied.vocab_size, tiny_qwen2_tied.state_dict())

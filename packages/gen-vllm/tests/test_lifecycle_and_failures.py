@@ -24,7 +24,7 @@ def own_backend(ray_session, tiny_qwen2):
     """A backend of its own: these tests kill it."""
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
-    cluster = RayVirtualCluster([1], num_cpus_per_bundle=1)
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1)
     config = conformance_config(
         backend="vllm",
         model_name=str(tiny_qwen2.path),
@@ -87,7 +87,7 @@ def test_an_engine_that_cannot_start_is_reported(ray_session, tmp_path):
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
     (tmp_path / "config.json").write_text("{}")
-    cluster = RayVirtualCluster([1], num_cpus_per_bundle=1)
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1)
     config = {
         "backend": "vllm",
         "model_name": str(tmp_path),

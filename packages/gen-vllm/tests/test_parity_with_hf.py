@@ -16,7 +16,12 @@ from gen_testkit.tolerances import tolerance_for
 
 @pytest.mark.parametrize(
     ("model_name", "replicas", "logprobs_mode"),
-    [("tiny_qwen2", 1, "raw"), ("tiny_qwen2", 2, "raw"), ("tiny_llama", 1, "processed")],
+    [
+        ("tiny_qwen2", 1, "raw"),
+        ("tiny_qwen2", 2, "raw"),
+        ("tiny_llama", 1, "processed"),
+        ("tiny_qwen2_tied", 1, "raw"),
+    ],
 )
 def test_vllm_matches_the_reference(request, engines, model_name, replicas, logprobs_mode):
     model = request.getfixturevalue(model_name)

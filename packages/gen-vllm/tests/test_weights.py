@@ -5,6 +5,7 @@ import torch
 from gen_interface import GenerationConfigError, WeightUpdateError
 from gen_interface.weights import share_weights
 from gen_testkit.strategies import pad_prompts
+from gen_vllm.refit import verify_update
 
 PROMPTS = [[5, 17, 42, 8], [99], [7, 7, 7], [300, 12, 1]]
 
@@ -22,21 +23,9 @@ def test_an_update_reaches_every_replica_and_updating_back_restores(backend, tin
     original = tiny_qwen2.state_dict()
     before = _greedy(backend)
     scaled = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in original.items()}
-    reports = []
-    real_call_all = backend.replicas.call_all
-
-    def spy(method, args, timeout_s=None):
-        result = real_call_all(method, args, timeout_s)
-        if method == "update_weights_from_ipc_handles":
-            reports.extend(r for replica in result for r in replica)
-        return result
-
-    backend.replicas.call_all = spy
-    try:
-        with share_weights(scaled) as shared:
-            backend.update_weights_from_ipc_handles(shared.handles)
-    finally:
-        backend.replicas.call_all = real_call_all
+    with share_weights(scaled) as shared:
+        outcomes = backend.replicas.update_weights(dict(shared.handles))  # what the backend calls
+    reports = verify_update(outcomes)
     assert len(reports) == backend.num_replicas == 2
     assert len({r["received_checksum"] for r in reports}) == 1
     assert len({r["model_checksum"] for r in reports}) == 1

@@ -157,6 +157,32 @@ class RayVirtualCluster:
         """Total number of bundles."""
         return len(self.bundles)
 
+    def engine_groups(self, tensor_parallel_size: int) -> list[list[Bundle]]:
+        """The bundles of each engine: ``tensor_parallel_size`` consecutive bundles of one node.
+
+        An engine never spans nodes (its ranks talk over NVLink / shared memory), so every
+        node's bundle count must be a multiple of ``tensor_parallel_size``.
+
+        Raises:
+            BackendUnavailableError: a node's bundles do not split into whole engines; the
+                message names the layouts that work.
+        """
+        tp = tensor_parallel_size
+        counts = self.bundle_ct_per_node_list
+        if any(count % tp for count in counts):
+            fixed = [max(tp, count // tp * tp) for count in counts]
+            raise BackendUnavailableError(
+                f"bundles per node {counts} do not split into engines of "
+                f"tensor_parallel_size={tp}: an engine's {tp} bundles must all be on one node, so "
+                f"every node needs a multiple of {tp} bundles (e.g. {fixed}), or use "
+                "tensor_parallel_size=1 for one engine per bundle"
+            )
+        groups: list[list[Bundle]] = []
+        for node in range(len(counts)):
+            on_node = [b for b in self.bundles if b.node_index == node]
+            groups.extend(on_node[i : i + tp] for i in range(0, len(on_node), tp))
+        return groups
+
     def placement_group(self, node_index: int) -> PlacementGroup:
         return self._placement_groups[node_index]
 

@@ -22,10 +22,12 @@ class VllmSpecificArgs(TypedDict, total=False):
     enable_prefix_caching: bool  # reuse KV of shared prompt prefixes across calls (True)
     max_num_seqs: int  # most sequences an engine runs at once (256)
     load_tokenizer: bool | Literal["auto"]  # tokenizer for stop strings ("auto": if present)
-    enable_sleep_mode: bool | Literal["auto"]  # vLLM sleep mode ("auto": on CUDA only)
-    engine_kwargs: dict[str, Any]  # anything else, passed to vllm.LLM as is ({})
+    enable_sleep_mode: bool | Literal["auto"]  # sleep in finish ("auto": colocated on CUDA)
+    engine_kwargs: dict[str, Any]  # anything else, passed to vllm.EngineArgs as is ({})
     startup_timeout_s: float  # how long an engine may take to start (900)
-    generate_timeout_s: float | None  # how long a generate call may take (None: no limit)
+    generate_timeout_s: float  # how long one generate or score call may take (3600)
+    update_timeout_s: float  # how long a weight update may take (900)
+    control_timeout_s: float  # how long sleep, wake-up or a cache reset may take (300)
 
 
 #: Defaults for every ``vllm_cfg`` key.
@@ -41,7 +43,9 @@ VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
     "enable_sleep_mode": "auto",
     "engine_kwargs": {},
     "startup_timeout_s": 900.0,
-    "generate_timeout_s": None,
+    "generate_timeout_s": 3600.0,
+    "update_timeout_s": 900.0,
+    "control_timeout_s": 300.0,
 }
 
 
@@ -72,9 +76,8 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
         check_int_setting(cfg, "vllm_cfg", "max_model_len")
     _fraction(cfg, "gpu_memory_utilization")
     _positive_number(cfg, "cpu_kv_cache_gib")
-    _positive_number(cfg, "startup_timeout_s")
-    if cfg["generate_timeout_s"] is not None:
-        _positive_number(cfg, "generate_timeout_s")
+    for key in ("startup_timeout_s", "generate_timeout_s", "update_timeout_s", "control_timeout_s"):
+        _positive_number(cfg, key)
     for key in ("enforce_eager", "enable_prefix_caching"):
         if not isinstance(cfg[key], bool):
             raise GenerationConfigError(f"vllm_cfg.{key} must be a bool, got {cfg[key]!r}")

@@ -1,4 +1,4 @@
-"""From a ``VllmConfig`` to the keyword arguments of ``vllm.LLM`` and each actor's environment."""
+"""From a ``VllmConfig`` to the keyword arguments of ``vllm.EngineArgs``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from gen_vllm.config import VllmConfig
 
-__all__ = ["engine_args_for", "resolve_dtype", "wants_tokenizer"]
+__all__ = ["engine_args_for", "resolve_dtype", "sleeps_on_finish", "wants_tokenizer"]
 
 _GIB = 1 << 30
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -40,10 +40,22 @@ def resolve_dtype(model: str, dtype: str) -> str:
     return "auto"
 
 
+def sleeps_on_finish(config: VllmConfig, *, use_gpus: bool) -> bool:
+    """Whether ``finish_generation`` puts the engines to sleep (vLLM sleep mode, CUDA only).
+
+    ``"auto"``: when colocated with a trainer on GPUs, which needs the memory back. Engines on
+    GPUs of their own keep their weights and cache: sleeping would cost an offload and a reload
+    every step for nothing.
+    """
+    setting = config["vllm_cfg"]["enable_sleep_mode"]
+    if setting == "auto":
+        return use_gpus and bool(config.get("colocated", {}).get("enabled", False))
+    return bool(setting)
+
+
 def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments (all but ``model`` and ``worker_extension_cls``)."""
+    """``vllm.EngineArgs`` keyword arguments (all but ``model`` and ``worker_extension_cls``)."""
     cfg = config["vllm_cfg"]
-    sleep = cfg["enable_sleep_mode"]
     args: dict[str, Any] = {
         "dtype": resolve_dtype(config["model_name"], config.get("dtype", "auto")),
         # Every sampled request carries its own 64-bit seed (params.py), so the engine's global
@@ -57,7 +69,7 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             "processed_logprobs" if config.get("logprobs_mode") == "processed" else "raw_logprobs"
         ),
         "skip_tokenizer_init": not wants_tokenizer(config),
-        "enable_sleep_mode": use_gpus if sleep == "auto" else bool(sleep),
+        "enable_sleep_mode": sleeps_on_finish(config, use_gpus=use_gpus),
     }
     if cfg["max_model_len"] is not None:
         args["max_model_len"] = cfg["max_model_len"]

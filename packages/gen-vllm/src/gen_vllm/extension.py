@@ -21,6 +21,7 @@ from gen_interface.weights import (
 )
 
 from gen_vllm.checkpoint import check_update_is_complete, checkpoint_specs
+from gen_vllm.messages import UpdateReport
 
 __all__ = ["UpdatableVllmInternalWorker"]
 
@@ -35,6 +36,7 @@ class UpdatableVllmInternalWorker:
     device: torch.device
     model_runner: Any
     model_config: Any
+    rank: int
 
     def report_device_id(self) -> str:
         """The GPU's UUID on CUDA (stable across processes); ``cpu:<host>:<pid>`` on CPU."""
@@ -52,35 +54,36 @@ class UpdatableVllmInternalWorker:
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
 
-    def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> dict[str, Any]:
+    def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> UpdateReport:
         """Check, read and load the weights ``handles`` describe, through vLLM's in-place reload.
 
         Names, shapes and dtypes are checked against the checkpoint before anything is written.
         The reload re-runs vLLM's weight processing (fusing, CPU packing).
 
         Returns:
-            ``{"device_id", "received_checksum", "model_checksum", "seconds"}``: the checksum of
-            the tensors read and of the model's parameters after loading, so the caller can check
-            that every worker took the same update.
+            This rank's ``UpdateReport``: the checksum of the tensors read (the same on every
+            rank) and of its own parameters after loading (its shard under tensor parallelism),
+            so the caller can check that every worker took the same update.
 
         Raises:
             WeightUpdateError: the update does not match the checkpoint, or a bucket is gone or
                 changed; nothing was written.
         """
         start = time.perf_counter()
-        if self.device.type == "cuda":
-            handles = handles_for_device(handles, self.report_device_id())
+        gpu = self.report_device_id() if self.device.type == "cuda" else None
+        handles = handles_for_device(handles, gpu)  # this GPU's copy, else host memory
         specs, optional = self.checkpoint_specs()
         check_update_is_complete(describe_weight_handles(handles), specs, set(optional))
         tensors = read_shared_weights(handles)
         received = weights_checksum(tensors)
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
-        return {
-            "device_id": self.report_device_id(),
-            "received_checksum": received,
-            "model_checksum": self.model_checksum(),
-            "seconds": time.perf_counter() - start,
-        }
+        return UpdateReport(
+            rank=int(self.rank),
+            device_id=self.report_device_id(),
+            received_checksum=received,
+            model_checksum=self.model_checksum(),
+            seconds=time.perf_counter() - start,
+        )
 
     def model_checksum(self) -> int:
         """Checksum of the model's non-empty parameters and buffers as loaded (after packing)."""

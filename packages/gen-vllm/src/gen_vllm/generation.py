@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
-import threading
 import time
-from collections.abc import Mapping
-from typing import Any, Literal, cast
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 from gen_interface import (
@@ -16,10 +17,10 @@ from gen_interface import (
     BatchedDataDict,
     GenerationConfig,
     GenerationDatumSpec,
-    GenerationError,
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
+    PromptBatch,
     RowResult,
     ScoreSpec,
     WeightUpdateError,
@@ -29,22 +30,27 @@ from gen_interface import (
     with_per_call_overrides,
 )
 from gen_interface.decoding import row_stop_strings
+from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
+from gen_interface.outputs import build_row_output
 from gen_interface.sampling import is_greedy, row_seeds_for
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import describe_weight_handles, release_shared_weights
 
+from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.checkpoint import check_update_is_complete
 from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VllmConfig, complete_vllm_config
+from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for
+from gen_vllm.messages import RowOutput, RowRequest
 from gen_vllm.params import row_sampling_params
-from gen_vllm.replicas import ReplicaSet
+from gen_vllm.refit import MixedWeightsError, verify_update
+from gen_vllm.replicas import ReplicaSet, Timeouts, WorkerLostError
+from gen_vllm.router import RowRouter
 
 __all__ = ["VllmGeneration"]
 
 logger = logging.getLogger(__name__)
-
-State = Literal["ready", "finished", "shut down", "broken"]
 
 # A fixed sequence every replica scores after a weight update: identical results prove that all
 # replicas run the same weights, packed kernels included.
@@ -54,68 +60,86 @@ _PROBE = list(range(3, 35))
 class VllmGeneration(GenerationInterface):
     """vLLM engines as Ray actors, one per data-parallel replica.
 
-    ``replicas = cluster bundles / tensor_parallel_size``. ``generate`` validates the batch,
-    cuts it into one contiguous shard per replica, runs the shards concurrently and gathers the
-    rows back in input order. Row seeds come from the config seed and the row's index in the
-    whole batch, so a row's sample does not depend on which replica runs it.
+    ``replicas = cluster bundles / tensor_parallel_size``; an engine's bundles are always on one
+    node. ``generate`` validates the batch and sends each row to the replica with the least
+    outstanding work; rows come back as they finish and are laid out in input order. Row seeds
+    come from the config seed and the row's index in the whole batch, so a row's sample does not
+    depend on which replica runs it.
 
     Args:
         cluster: the resources to run on.
         config: a configured ``VllmConfig`` (``configure_generation_config`` first).
         name_prefix: prefix for the actors' names.
+        engine_factory: builds each worker's engine; default vLLM's (tests pass a fake).
 
     Raises:
         GenerationConfigError: a config field is out of range.
-        BackendUnavailableError: an engine failed to start (its error is in the message).
+        BackendUnavailableError: the cluster's layout does not fit the config, or an engine
+            failed to start (its error is in the message).
     """
 
     config: VllmConfig
 
-    def __init__(self, cluster: RayVirtualCluster, config: VllmConfig, name_prefix: str = "vllm"):
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        config: VllmConfig,
+        name_prefix: str = "vllm",
+        *,
+        engine_factory: EngineFactory | None = None,
+    ):
         self.config = complete_vllm_config(config)
         self.cluster = cluster
         self._owned_cluster: RayVirtualCluster | None = None
-        self._owner: VllmGeneration | None = None  # set on with_sampling's front ends
-        self._lock = threading.Lock()
-        self._state: State = "ready"
-        tp = self.config["vllm_cfg"]["tensor_parallel_size"]
+        cfg = self.config["vllm_cfg"]
+        tp = cfg["tensor_parallel_size"]
         if tp > 1 and not cluster.use_gpus:
             raise BackendUnavailableError(
                 "tensor_parallel_size > 1 needs GPUs; on CPU run more replicas instead"
             )
-        if cluster.world_size % tp:
-            raise BackendUnavailableError(
-                f"{cluster.world_size} bundles do not split into engines of "
-                f"tensor_parallel_size={tp}"
-            )
+        cluster.engine_groups(tp)  # refuses layouts where an engine would span nodes
         engine_args = engine_args_for(self.config, use_gpus=cluster.use_gpus)
         self._has_tokenizer = not engine_args["skip_tokenizer_init"]
-        self._sleep = bool(engine_args["enable_sleep_mode"])
+        self._sleeps = bool(engine_args["enable_sleep_mode"])
         self.replicas = ReplicaSet.start(
             cluster,
             self.config["model_name"],
             engine_args,
             tensor_parallel_size=tp,
             name_prefix=name_prefix,
-            startup_timeout_s=self.config["vllm_cfg"]["startup_timeout_s"],
+            timeouts=Timeouts(
+                startup_s=cfg["startup_timeout_s"],
+                generate_s=cfg["generate_timeout_s"],
+                update_s=cfg["update_timeout_s"],
+                control_s=cfg["control_timeout_s"],
+            ),
+            engine_factory=engine_factory,
         )
         first = self.replicas.infos[0]
         self.vocab_size: int = first["vocab_size"]
         self.context_limit: int = first["max_model_len"]
         self._checkpoint_specs = first["checkpoint_specs"]
         self._optional_weights = set(first["optional_weights"])
+        self._loop = BackgroundLoop()
+        self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
+        self._calls = itertools.count()
+        self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
+            "VllmGeneration", wake=self._wake, release=self._release, close=self._close
+        )
 
     @classmethod
     def create(cls, config: GenerationConfig, **kwargs: Any) -> VllmGeneration:
         """Build from a config alone: ``cluster=`` may be given, else one is made with
-        ``replicas=`` bundles (default 1) on this node and shut down with the backend."""
+        ``replicas=`` bundles (default 1) on this node, on GPUs if Ray sees any (``use_gpus=``
+        decides otherwise), and shut down with the backend."""
         cluster = kwargs.pop("cluster", None)
         replicas = kwargs.pop("replicas", 1)
+        use_gpus = kwargs.pop("use_gpus", None)
         vllm_config = cast(VllmConfig, config)
         owned = None
         if cluster is None:
             tp = vllm_config.get("vllm_cfg", {}).get("tensor_parallel_size", 1)
-            cluster = owned = RayVirtualCluster([replicas * tp])
+            cluster = owned = RayVirtualCluster([replicas * tp], use_gpus=use_gpus)
         try:
             backend = cls(cluster, vllm_config, **kwargs)
         except BaseException:
@@ -131,15 +155,15 @@ class VllmGeneration(GenerationInterface):
         For evaluation with other sampling settings than training, without a second set of
         engines. Only settings vLLM takes per request may change: ``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``stop_strings``, ``seed``.
-        The new front end shares the engines' lifecycle and weights; shutting it down leaves
-        the engines to their owner.
+        The front end shares the engines, their weights and their lifecycle (finishing either
+        finishes both); shutting it down closes only the front end.
 
         Raises:
             GenerationConfigError: an override names an engine-level setting, or is out of range.
         """
         view = copy.copy(self)
         view.config = complete_vllm_config(with_per_call_overrides(self.config, overrides))
-        view._owner = self
+        view._lifecycle = self._lifecycle.view()
         return view
 
     @property
@@ -149,15 +173,22 @@ class VllmGeneration(GenerationInterface):
     @property
     def capabilities(self) -> BackendCapabilities:
         on_gpu = self.cluster.use_gpus
-        notes = (
-            []
-            if self._sleep
-            else ["vLLM has no sleep mode on CPU: finish_generation only resets the prefix cache"]
-        )
+        notes = []
+        if not self._sleeps:
+            notes.append(
+                "finish_generation resets the prefix cache and keeps weights and KV cache in "
+                "memory ("
+                + (
+                    "vLLM has no sleep mode on CPU)"
+                    if not on_gpu
+                    else "not colocated; vllm_cfg.enable_sleep_mode turns sleep on)"
+                )
+            )
         if not self._has_tokenizer:
             notes.append("no tokenizer loaded: stop strings are refused")
         return BackendCapabilities(
-            sleep=bool(self._sleep),
+            sleep=self._sleeps,
+            async_generation=True,
             weight_transports=frozenset({"shm", "cuda_ipc"} if on_gpu else {"shm"}),
             devices=("cuda",) if on_gpu else ("cpu",),
             score=True,
@@ -166,14 +197,65 @@ class VllmGeneration(GenerationInterface):
         )
 
     def device_ids(self) -> list[list[str]]:
-        """Each replica's workers' device ids (GPU UUIDs, or host and process on CPU)."""
+        """Each replica's ranks' device ids (GPU UUIDs, or host and process on CPU)."""
         return [info["device_ids"] for info in self.replicas.infos]
 
-    # ---- generation --------------------------------------------------------------------------
+    # ---- generation ------------------------------------------------------------------------
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
+        prompts, requests, costs = self._requests(data, greedy)
+        with self._lifecycle.generating():
+            rows: list[RowOutput | None] = [None] * len(requests)
+            with self._failures_break_the_backend():
+                for index, row in self._loop.run(self._collect(requests, costs)):
+                    rows[index] = row
+        results = [_row_result(row) for row in rows if row is not None]
+        return build_generation_output(prompts, results, self.config["pad_token_id"])
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row index, one-row output)`` as each row finishes, on any replica.
+
+        The same core as ``generate``: the outputs are the rows ``generate`` would return.
+        Closing the iterator early aborts the rows not yet returned.
+        """
+        prompts, requests, costs = self._requests(data, greedy)
+        pad = self.config["pad_token_id"]
+        with self._lifecycle.generating(), self._failures_break_the_backend():
+            rows = self._loop.stream(
+                lambda: self._router.run(requests, costs, self.replicas.timeouts.generate_s)
+            )
+            async for index, row in rows:
+                yield index, build_row_output(prompts, index, _row_result(row), pad)
+
+    def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
+        batch = normalize_score_input(data, vocab_size=self.vocab_size)
+        too_long = [i for i, s in enumerate(batch.sequences) if len(s) >= self.context_limit]
+        if too_long:
+            raise GenerationInputError(
+                f"score row {too_long[0]} has {len(batch.sequences[too_long[0]])} tokens; the "
+                f"engine scores sequences shorter than its context limit {self.context_limit}"
+            )
+        with self._lifecycle.generating():
+            if not batch.sequences:
+                return scatter_response_logprobs(batch, [])
+            shards: list[BatchedDataDict[Any]] = BatchedDataDict(
+                rows=batch.sequences, starts=batch.prompt_lengths
+            ).shard_by_batch_size(self.num_replicas, allow_uneven_shards=True)
+            with self._failures_break_the_backend():
+                results = self.replicas.score(
+                    [(s["rows"], s["starts"]) if s.size else None for s in shards]
+                )
+        per_row = [row for shard in results for row in (shard or [])]
+        return scatter_response_logprobs(batch, [torch.tensor(r) for r in per_row])
+
+    def _requests(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> tuple[PromptBatch, list[RowRequest], list[int]]:
+        """Validate the batch and build each row's request, before any worker is touched."""
         prompts = normalize_generation_input(
             data,
             pad_token_id=self.config["pad_token_id"],
@@ -196,96 +278,68 @@ class VllmGeneration(GenerationInterface):
             stop_strings=stop_strings,
             context_limit=self.context_limit,
         )
-        with self._lock:
-            self._check_ready()
-            if not token_lists:
-                return build_generation_output(prompts, [], self.config["pad_token_id"])
-            outputs = self._run_sharded("generate", token_lists, params)
-        rows = [RowResult(tokens, lps, reason == "length") for tokens, lps, reason in outputs]
-        return build_generation_output(prompts, rows, self.config["pad_token_id"])
+        call = next(self._calls)
+        requests = [
+            RowRequest(f"{call}-{i}", prompt, p)
+            for i, (prompt, p) in enumerate(zip(token_lists, params))
+        ]
+        return prompts, requests, [p["max_tokens"] for p in params]
 
-    def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
-        batch = normalize_score_input(data, vocab_size=self.vocab_size)
-        too_long = [i for i, s in enumerate(batch.sequences) if len(s) >= self.context_limit]
-        if too_long:
-            raise GenerationInputError(
-                f"score row {too_long[0]} has {len(batch.sequences[too_long[0]])} tokens; the "
-                f"engine scores sequences shorter than its context limit {self.context_limit}"
-            )
-        with self._lock:
-            self._check_ready()
-            if not batch.sequences:
-                return scatter_response_logprobs(batch, [])
-            per_row = self._run_sharded("score", batch.sequences, batch.prompt_lengths)
-        return scatter_response_logprobs(batch, [torch.tensor(r) for r in per_row])
-
-    def _run_sharded(self, method: str, rows: list[Any], extra: list[Any]) -> list[Any]:
-        """Split rows into contiguous shards, run one per replica, gather in input order."""
-        shards: list[BatchedDataDict[Any]] = BatchedDataDict(
-            rows=rows, extra=extra
-        ).shard_by_batch_size(self.num_replicas, allow_uneven_shards=True)
-        try:
-            results = self.replicas.call_each(
-                method,
-                [(shard["rows"], shard["extra"]) if shard.size else None for shard in shards],
-                timeout_s=self.config["vllm_cfg"]["generate_timeout_s"],
-            )
-        except GenerationError as exc:
-            if not isinstance(exc, GenerationInputError | WeightUpdateError):
-                self._state = "broken"
-            raise
-        return [row for shard in results for row in (shard or [])]
+    async def _collect(
+        self, requests: list[RowRequest], costs: list[int]
+    ) -> list[tuple[int, RowOutput]]:
+        timeout_s = self.replicas.timeouts.generate_s
+        return [item async for item in self._router.run(requests, costs, timeout_s)]
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> None:
-        """Wake the engines: weights first, then the KV cache (CUDA sleep mode). Idempotent."""
-        with self._lock:
-            if self._state in ("shut down", "broken"):
-                self._check_ready()
-            if self._state == "finished" and self._sleep:
-                self.replicas.call_all("wake_up", (["weights"],))
-                self.replicas.call_all("wake_up", (["kv_cache"],))
-            self._state = "ready"
+    def prepare_for_generation(
+        self, *args: Any, tags: list[str] | None = None, **kwargs: Any
+    ) -> None:
+        """Wake what ``finish_generation`` put to sleep: weights first, then the KV cache.
+
+        ``tags`` (NeMo RL's): wake only ``"weights"`` and/or ``"kv_cache"``. Idempotent.
+        """
+        with self._failures_break_the_backend():
+            self._lifecycle.prepare(tags)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> None:
-        """Reset the prefix cache and, where sleep mode is on (CUDA), sleep at level 1."""
-        with self._lock:
-            if self._state != "ready":
-                return
-            self.replicas.call_all("reset_prefix_cache", ())
-            if self._sleep:
-                self.replicas.call_all("sleep", (1,))
-            self._state = "finished"
+        """Reset the prefix cache and, when sleeping on finish (colocated on CUDA), sleep at
+        level 1: weights offloaded to host memory, KV cache freed."""
+        with self._failures_break_the_backend():
+            self._lifecycle.finish()
 
     def shutdown(self) -> None:
         """Stop every engine and actor; remove the cluster if this backend made it. Idempotent.
 
-        A front end made by ``with_sampling`` only stops being usable itself."""
-        if self._owner is not None:
-            self._owner = None
-            self._state = "shut down"
-            return
-        with self._lock:
-            if self._state == "shut down":
-                return
-            self._state = "shut down"
-            self.replicas.shutdown()
-            if self._owned_cluster is not None:
-                self._owned_cluster.shutdown()
-                self._owned_cluster = None
+        A front end made by ``with_sampling`` only closes itself."""
+        self._lifecycle.shutdown()
 
-    def _check_ready(self) -> None:
-        if self._state == "finished":
-            raise GenerationError(
-                "generate called after finish_generation(); call prepare_for_generation() first"
-            )
-        if self._state == "shut down":
-            raise GenerationError("this VllmGeneration is shut down; build a new one")
-        if self._state == "broken":
-            raise GenerationError(
-                "a vLLM worker of this VllmGeneration died; shut it down and build a new one"
-            )
+    def _wake(self, resources: tuple[Resource, ...]) -> None:
+        self.replicas.wake_up(list(resources))
+
+    def _release(self) -> frozenset[Resource]:
+        self.replicas.reset_prefix_cache()
+        if not self._sleeps:
+            return frozenset()
+        self.replicas.sleep(1)
+        return frozenset({"weights", "kv_cache"})
+
+    def _close(self) -> None:
+        self.replicas.shutdown()
+        self._loop.close()
+        if self._owned_cluster is not None:
+            self._owned_cluster.shutdown()
+            self._owned_cluster = None
+
+    @contextmanager
+    def _failures_break_the_backend(self) -> Iterator[None]:
+        """A lost worker or a timed-out control call leaves engines in an unknown state."""
+        try:
+            yield
+        except WorkerLostError as exc:
+            self._lifecycle.mark_broken(str(exc))
+            raise
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -298,27 +352,27 @@ class VllmGeneration(GenerationInterface):
         """Load new weights into every replica and check that all of them took the same update.
 
         Raises:
-            WeightUpdateError: the update does not match the checkpoint (nothing written), or
-                the replicas disagree afterwards.
+            WeightUpdateError: the update does not match the checkpoint or every replica refused
+                it (nothing written, old weights in force); or the replicas disagree afterwards,
+                and the backend is then broken (shut it down and build a new one).
         """
         try:
             check_update_is_complete(
                 describe_weight_handles(handles), self._checkpoint_specs, self._optional_weights
             )
-            with self._lock:
-                if self._state in ("shut down", "broken"):
-                    self._check_ready()
+            with self._lifecycle.updating_weights(), self._failures_break_the_backend():
                 start = time.perf_counter()
-                reports = [
-                    r
-                    for replica in self.replicas.call_all(
-                        "update_weights_from_ipc_handles", (dict(handles),)
-                    )
-                    for r in replica
-                ]
-                _check_reports_agree(reports)
-                if self.num_replicas > 1:
-                    self._check_replicas_agree()
+                try:
+                    reports = verify_update(self.replicas.update_weights(dict(handles)))
+                    if self.num_replicas > 1:
+                        self._check_replicas_agree()
+                except MixedWeightsError as exc:
+                    self._lifecycle.mark_broken(str(exc))
+                    raise WeightUpdateError(
+                        f"{exc}; this VllmGeneration is now broken: shut it down and build a new "
+                        "one"
+                    ) from exc
+                self._lifecycle.weights_arrived()
                 logger.info(
                     "updated weights on %d workers in %.2f s",
                     len(reports),
@@ -329,19 +383,13 @@ class VllmGeneration(GenerationInterface):
 
     def _check_replicas_agree(self) -> None:
         probe = [t % self.vocab_size for t in _PROBE[: max(2, self.context_limit - 1)]]
-        scores = self.replicas.call_all("score", ([probe], [1]))
+        scores = self.replicas.score([([probe], [1])] * self.num_replicas)
         if any(s != scores[0] for s in scores[1:]):
-            raise WeightUpdateError(
+            raise MixedWeightsError(
                 "replicas give different logprobs for the same sequence after a weight update; "
-                "their weights differ: shut down and rebuild"
+                "their weights differ"
             )
 
 
-def _check_reports_agree(reports: list[dict[str, Any]]) -> None:
-    received = {r["received_checksum"] for r in reports}
-    loaded = {r["model_checksum"] for r in reports}
-    if len(received) > 1 or len(loaded) > 1:
-        raise WeightUpdateError(
-            f"workers report different checksums after the update (received {sorted(received)}, "
-            f"loaded {sorted(loaded)}): the update did not reach every worker intact"
-        )
+def _row_result(row: RowOutput) -> RowResult:
+    return RowResult(row.token_ids, row.logprobs, row.finish_reason == "length")

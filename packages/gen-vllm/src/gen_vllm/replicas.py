@@ -1,7 +1,8 @@
-"""``ReplicaSet``: the Ray actors of one ``VllmGeneration`` and how calls reach them.
+"""``ReplicaSet``: the Ray actors of one ``VllmGeneration`` and every call that reaches them.
 
-Every call goes to all replicas concurrently and waits on all of them, so a dead worker is
-noticed as soon as Ray notices (seconds), and Ray's errors become the interface's errors.
+Each worker method has a method here of the same name, so call sites are plain, typed method
+calls. Calls to all replicas run concurrently and wait on all of them within a bounded time, so a
+dead or stuck worker is noticed in seconds, and Ray's errors become the interface's errors.
 """
 
 from __future__ import annotations
@@ -10,19 +11,37 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gen_interface import BackendUnavailableError, GenerationError
 
 from gen_vllm.cluster import Bundle, RayVirtualCluster
+from gen_vllm.engine import EngineFactory
+from gen_vllm.messages import RowRequest, UpdateReport, WorkerInfo
 from gen_vllm.worker import VllmGenerationWorker
 
-__all__ = ["ReplicaSet"]
+__all__ = ["ReplicaSet", "Timeouts", "WorkerLostError", "translate_ray_error"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _PROGRESS_EVERY_S = 15.0
-_SHUTDOWN_GRACE_S = 30.0
+_SHUTDOWN_GRACE_S = 15.0
+
+
+class WorkerLostError(GenerationError):
+    """A worker died or stopped answering: its engine's state is unknown from now on."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long each kind of call may take, in seconds."""
+
+    startup_s: float = 900.0
+    generate_s: float = 3600.0
+    update_s: float = 900.0
+    control_s: float = 300.0  # sleep, wake, cache resets, scoring probes
 
 
 @dataclass
@@ -30,7 +49,8 @@ class ReplicaSet:
     """Handles of the running ``VllmGenerationWorker`` actors, in replica order."""
 
     actors: list[Any]
-    infos: list[dict[str, Any]] = field(default_factory=list)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    infos: list[WorkerInfo] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -44,112 +64,110 @@ class ReplicaSet:
         *,
         tensor_parallel_size: int,
         name_prefix: str,
-        startup_timeout_s: float,
+        timeouts: Timeouts,
+        engine_factory: EngineFactory | None = None,
     ) -> ReplicaSet:
-        """Start one actor per group of ``tensor_parallel_size`` bundles and wait until every
-        engine is up, logging progress.
+        """Start one actor per engine group of the cluster and wait until every engine is up.
 
         Raises:
-            BackendUnavailableError: an engine failed or timed out; all actors are stopped.
+            BackendUnavailableError: the layout does not split into engines, an actor name is
+                taken, or an engine failed or timed out; no actor is left running.
         """
         import ray
 
+        groups = cluster.engine_groups(tensor_parallel_size)
         remote_cls: Any = ray.remote(VllmGenerationWorker)
-        actors = []
-        for index, first in enumerate(range(0, cluster.world_size, tensor_parallel_size)):
-            bundle = cluster.bundles[first]
-            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            if cluster.use_gpus and tensor_parallel_size > 1:
-                bundles = range(first, first + tensor_parallel_size)
-                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(
-                    str(cluster.bundles[b].bundle_index) for b in bundles
-                )
-            actors.append(
-                remote_cls.options(
-                    name=f"{name_prefix}-{index}-{id(cluster):x}",
-                    num_cpus=bundle.num_cpus,
-                    num_gpus=_gpus_for(cluster, bundle, tensor_parallel_size),
-                    scheduling_strategy=cluster.scheduling_strategy(
-                        bundle, capture_child_tasks=tensor_parallel_size > 1
-                    ),
-                    max_restarts=0,
-                    runtime_env={"env_vars": env},
-                ).remote(model, engine_args, _cpu_ids_for(cluster, bundle), env)
-            )
-        replicas = cls(actors)
-        logger.info("starting %d vLLM engine(s) for %s", len(actors), model)
+        replicas = cls([], timeouts)
         try:
+            for index, group in enumerate(groups):
+                replicas.actors.append(
+                    _start_actor(
+                        remote_cls,
+                        cluster,
+                        group,
+                        name_prefix=name_prefix,
+                        name=f"{name_prefix}-{index}-{id(cluster):x}",
+                        args=(model, engine_args),
+                        engine_factory=engine_factory,
+                    )
+                )
+            logger.info("starting %d vLLM engine(s) for %s", len(groups), model)
             replicas.infos = replicas._wait(
-                [a.info.remote() for a in actors], startup_timeout_s, "start"
+                [a.info.remote() for a in replicas.actors], timeouts.startup_s, "start"
             )
-        except GenerationError as exc:
+        except BaseException as exc:
             replicas.shutdown()
-            raise BackendUnavailableError(f"vLLM engines failed to start: {exc}") from exc
+            if isinstance(exc, BackendUnavailableError):
+                raise
+            if isinstance(exc, GenerationError):
+                raise BackendUnavailableError(f"vLLM engines failed to start: {exc}") from exc
+            raise
         logger.info(
             "vLLM engines ready in %s s",
             ", ".join(f"{i['startup_seconds']:.1f}" for i in replicas.infos),
         )
         return replicas
 
-    def call_each(
-        self, method: str, args: Sequence[tuple[Any, ...] | None], timeout_s: float | None = None
-    ) -> list[Any]:
-        """Call ``method`` on replica i with ``args[i]`` (skipped when None), concurrently."""
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, replica: int, request: RowRequest) -> Any:
+        """Start one row on ``replica``; returns its Ray ``ObjectRef`` (await it, or cancel it)."""
+        return self.actors[replica].generate.remote(request)
+
+    def score(self, shards: Sequence[tuple[list[list[int]], list[int]] | None]) -> list[Any]:
+        """Score shard i on replica i (skipped when None); per-replica results, None if skipped."""
         refs = {
-            i: getattr(actor, method).remote(*a)
-            for i, (actor, a) in enumerate(zip(self.actors, args))
-            if a is not None
+            i: actor.score.remote(*shard)
+            for i, (actor, shard) in enumerate(zip(self.actors, shards))
+            if shard is not None
         }
-        values = self._wait(list(refs.values()), timeout_s, method)
+        values = self._wait(list(refs.values()), self.timeouts.generate_s, "score")
         by_replica = dict(zip(refs, values))
         return [by_replica.get(i) for i in range(len(self.actors))]
 
-    def call_all(
-        self, method: str, args: tuple[Any, ...], timeout_s: float | None = None
-    ) -> list[Any]:
-        """Call ``method`` with the same ``args`` on every replica, concurrently."""
-        return self.call_each(method, [args] * len(self.actors), timeout_s)
+    # ---- life cycle and weights ------------------------------------------------------------
 
-    def _wait(self, refs: list[Any], timeout_s: float | None, what: str) -> list[Any]:
-        """Wait for every ref, logging progress on long waits; translate Ray's errors.
+    def sleep(self, level: int) -> None:
+        self._wait([a.sleep.remote(level) for a in self.actors], self.timeouts.control_s, "sleep")
 
-        Raises:
-            GenerationError (or the worker's own ``GenerationError`` subclass): a worker died,
-                raised, or the wait passed ``timeout_s``.
+    def wake_up(self, tags: list[str]) -> None:
+        self._wait(
+            [a.wake_up.remote(tags) for a in self.actors], self.timeouts.control_s, "wake_up"
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self._wait(
+            [a.reset_prefix_cache.remote() for a in self.actors],
+            self.timeouts.control_s,
+            "reset_prefix_cache",
+        )
+
+    def update_weights(self, handles: dict[str, Any]) -> list[list[UpdateReport] | GenerationError]:
+        """Load ``handles`` on every replica; each replica's rank reports, or its error.
+
+        Errors are returned rather than raised so the caller can tell a refusal on every
+        replica (nothing written) from replicas that disagree (mixed weights).
         """
         import ray
 
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = list(refs)
-        while pending:
-            wait_s = _PROGRESS_EVERY_S
-            if deadline is not None:
-                wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
-            if pending and deadline is not None and time.monotonic() >= deadline:
-                raise GenerationError(
-                    f"vLLM workers did not finish {what} within {timeout_s:g} s "
-                    f"({len(pending)} of {len(refs)} still running)"
+        refs = [a.update_weights_from_ipc_handles.remote(handles) for a in self.actors]
+        timeout_s = self.timeouts.update_s
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        outcomes: list[list[UpdateReport] | GenerationError] = []
+        for ref in refs:
+            if ref in late:
+                outcomes.append(
+                    WorkerLostError(
+                        f"a vLLM worker did not finish a weight update within {timeout_s:g} s "
+                        "(vllm_cfg.update_timeout_s)"
+                    )
                 )
-            if pending:
-                logger.info(
-                    "waiting for %s: %d of %d replicas done",
-                    what,
-                    len(refs) - len(pending),
-                    len(refs),
-                )
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, BaseException) else None
-            if isinstance(cause, GenerationError):
-                raise cause from None
-            raise GenerationError(f"a vLLM worker failed during {what}: {cause or exc}") from exc
-        except ray.exceptions.RayActorError as exc:
-            raise GenerationError(
-                f"a vLLM worker died during {what} (its process exited or was killed): "
-                f"{_summary(exc)}"
-            ) from exc
+                continue
+            try:
+                outcomes.append(ray.get(ref))
+            except Exception as exc:
+                outcomes.append(translate_ray_error(exc, "a weight update"))
+        return outcomes
 
     def shutdown(self) -> None:
         """Stop every engine, then kill every actor, so no process is left behind. Idempotent."""
@@ -166,6 +184,95 @@ class ReplicaSet:
                 logger.debug("kill: %s", exc)
         self.actors = []
 
+    def _wait(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+        """Wait for every ref, logging progress on long waits; translate Ray's errors.
+
+        Raises:
+            WorkerLostError: a worker died, or the wait passed ``timeout_s``.
+            GenerationError (or the worker's own subclass of it): a worker raised.
+        """
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            wait_s = min(_PROGRESS_EVERY_S, max(0.0, deadline - time.monotonic()))
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            if pending and time.monotonic() >= deadline:
+                raise WorkerLostError(
+                    f"vLLM workers did not finish {what} within {timeout_s:g} s "
+                    f"({len(pending)} of {len(refs)} still running; vllm_cfg.*_timeout_s set "
+                    "the limits)"
+                )
+            if pending:
+                logger.info(
+                    "waiting for %s: %d of %d replicas done",
+                    what,
+                    len(refs) - len(pending),
+                    len(refs),
+                )
+        try:
+            return ray.get(refs)
+        except Exception as exc:
+            raise translate_ray_error(exc, what) from exc
+
+
+def translate_ray_error(exc: BaseException, what: str) -> GenerationError:
+    """The interface's error for a Ray failure: the worker's own ``GenerationError`` when it
+    raised one, else a ``GenerationError`` saying the worker failed or died."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if isinstance(exc.cause, BaseException) else None
+        if isinstance(cause, GenerationError):
+            return cause
+        return GenerationError(f"a vLLM worker failed during {what}: {cause or exc}")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return WorkerLostError(
+            f"a vLLM worker died during {what} (its process exited or was killed): {_summary(exc)}"
+        )
+    if isinstance(exc, GenerationError):
+        return exc
+    return GenerationError(f"a vLLM worker call failed during {what}: {exc!r}")
+
+
+def _start_actor(
+    remote_cls: Any,
+    cluster: RayVirtualCluster,
+    group: list[Bundle],
+    *,
+    name_prefix: str,
+    name: str,
+    args: tuple[str, dict[str, Any]],
+    engine_factory: EngineFactory | None,
+) -> Any:
+    """Create one worker actor in the first bundle of ``group`` (its engine's bundles)."""
+    bundle = group[0]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cluster.use_gpus and len(group) > 1:
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b.bundle_index) for b in group)
+    try:
+        return remote_cls.options(
+            name=name,
+            num_cpus=bundle.num_cpus,
+            num_gpus=_gpus_for(cluster, bundle, len(group)),
+            scheduling_strategy=cluster.scheduling_strategy(
+                bundle, capture_child_tasks=len(group) > 1
+            ),
+            max_restarts=0,
+            max_concurrency=_MAX_ROWS_IN_FLIGHT,
+            runtime_env={"env_vars": env},
+        ).remote(*args, _cpu_ids_for(cluster, bundle), env, engine_factory)
+    except ValueError as exc:  # Ray refuses a name that is taken, before creating anything
+        raise BackendUnavailableError(
+            f"cannot start vLLM worker {name!r}: {exc}. Another VllmGeneration with "
+            f"name_prefix={name_prefix!r} runs on this cluster; give this one another name_prefix"
+        ) from exc
+
+
+#: Requests one worker serves at once: rows queue in its engine, which batches them.
+_MAX_ROWS_IN_FLIGHT = 4096
+
 
 def _summary(exc: BaseException) -> str:
     """The first line of a Ray error and, when it carries a traceback, the error at its end."""
@@ -175,8 +282,8 @@ def _summary(exc: BaseException) -> str:
     return f"{lines[0]} ... {lines[-1]}"
 
 
-def _gpus_for(cluster: RayVirtualCluster, bundle: Bundle, tensor_parallel_size: int) -> float:
-    if not cluster.use_gpus or tensor_parallel_size > 1:
+def _gpus_for(cluster: RayVirtualCluster, bundle: Bundle, engine_size: int) -> float:
+    if not cluster.use_gpus or engine_size > 1:
         return 0.0  # with TP > 1, vLLM's own Ray workers take the GPUs of the bundles
     return bundle.num_gpus / cluster.max_colocated_worker_groups
 

@@ -1,28 +1,29 @@
-"""``VllmGenerationWorker``: one vLLM engine in its own process, run as a Ray actor.
+"""``VllmGenerationWorker``: one vLLM engine in its own process, run as an async Ray actor.
 
-Everything crossing the actor boundary is plain data: token-id lists, small dicts of sampling
-settings, weight handles. The engine runs in the actor's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so ``collective_rpc`` reaches the worker extension
-without another hop.
+Everything crossing the actor boundary is plain data (``messages.py``): token-id lists, dicts of
+sampling settings, weight handles. The engine runs in the actor's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the thread of an ``EngineLoop``; the actor's event loop
+serves many requests at once, each answered as its row finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import gc
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
-from gen_interface import GenerationError
+from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
+from gen_vllm.engine_loop import EngineLoop
+from gen_vllm.messages import RowOutput, RowRequest, UpdateReport, WorkerInfo
 
-__all__ = ["EXTENSION_CLASS", "RowOutput", "VllmGenerationWorker"]
+__all__ = ["VllmGenerationWorker"]
 
-EXTENSION_CLASS = "gen_vllm.extension.UpdatableVllmInternalWorker"
-
-#: One generated row: (token ids, their logprobs, vLLM's finish reason: "stop" or "length").
-RowOutput = tuple[list[int], list[float], str]
+#: ``SamplingParams`` of a scoring request: one greedy token, the prompt's logprobs.
+_SCORE_PARAMS = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
 
 
 class VllmGenerationWorker:
@@ -30,10 +31,11 @@ class VllmGenerationWorker:
 
     Args:
         model: model directory or hub name.
-        engine_args: keyword arguments for ``vllm.LLM``.
+        engine_args: keyword arguments for ``vllm.EngineArgs``.
         cpu_slot: ``(slot, slots)``: take the slot-th of ``slots`` equal shares of this
             machine's cores (CPU engines sharing a machine), or None to leave affinity alone.
         env: environment variables to set before vLLM is imported.
+        engine_factory: builds the engine; default ``VllmEngine`` (tests pass a fake).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class VllmGenerationWorker:
         engine_args: dict[str, Any],
         cpu_slot: tuple[int, int] | None = None,
         env: dict[str, str] | None = None,
+        engine_factory: EngineFactory | None = None,
     ):
         os.environ.update(env or {})
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -51,101 +54,73 @@ class VllmGenerationWorker:
         if cpu_ids:
             os.sched_setaffinity(0, cpu_ids)
             os.environ["OMP_NUM_THREADS"] = str(len(cpu_ids))
-            import torch
-
-            torch.set_num_threads(len(cpu_ids))
         start = time.perf_counter()
-        from vllm import LLM
+        factory = engine_factory or VllmEngine
+        self._loop = EngineLoop(
+            lambda: factory(model, engine_args), num_threads=len(cpu_ids) if cpu_ids else None
+        )
+        engine: EngineProtocol = self._loop.engine
+        specs, optional = self._loop.run(lambda: engine.collective_rpc("checkpoint_specs")[0])
+        self._info = WorkerInfo(
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            device_ids=self._loop.run(lambda: engine.collective_rpc("report_device_id")),
+            vocab_size=engine.limits.vocab_size,
+            max_model_len=engine.limits.max_model_len,
+            dtype=engine.limits.dtype,
+            startup_seconds=time.perf_counter() - start,
+            checkpoint_specs=specs,
+            optional_weights=list(optional),
+        )
 
-        self.llm = LLM(model=model, worker_extension_cls=EXTENSION_CLASS, **engine_args)
-        self.startup_seconds = time.perf_counter() - start
-
-    def info(self) -> dict[str, Any]:
+    async def info(self) -> WorkerInfo:
         """Where this replica runs and what its engine can take."""
-        model_config = self.llm.llm_engine.model_config
-        specs, optional = self.llm.collective_rpc("checkpoint_specs")[0]
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "device_ids": self.llm.collective_rpc("report_device_id"),
-            "vocab_size": model_config.get_vocab_size(),
-            "max_model_len": model_config.max_model_len,
-            "dtype": str(model_config.dtype).removeprefix("torch."),
-            "startup_seconds": self.startup_seconds,
-            "checkpoint_specs": specs,
-            "optional_weights": optional,
-        }
+        return self._info
 
-    def generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[RowOutput]:
-        """Generate one completion per prompt with its own sampling settings.
+    async def generate(self, request: RowRequest) -> RowOutput:
+        """Generate one row; returns when it finishes. Cancelling the call aborts the row."""
+        return await self._loop.generate(request)
 
-        Args:
-            prompts: token ids of each prompt.
-            params: ``vllm.SamplingParams`` keyword arguments, one dict per prompt.
-        """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            [SamplingParams(**p) for p in params],
-            use_tqdm=False,
-        )
-        rows: list[RowOutput] = []
-        for output in outputs:
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [
-                float(_at(position, token))
-                for position, token in zip(completion.logprobs or [], tokens)
-            ]
-            rows.append((tokens, logprobs, completion.finish_reason or "length"))
-        return rows
-
-    def score(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
+    async def score(
+        self, sequences: list[list[int]], prompt_lengths: list[int]
+    ) -> list[list[float]]:
         """Teacher-forced raw logprobs of each sequence's tokens after its prompt."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False
+        call = uuid.uuid4().hex[:8]
+        outputs = await asyncio.gather(
+            *(
+                self._loop.generate(RowRequest(f"score-{call}-{i}", sequence, _SCORE_PARAMS))
+                for i, sequence in enumerate(sequences)
+            )
         )
-        rows = []
-        for output, sequence, start in zip(outputs, sequences, prompt_lengths):
-            positions = output.prompt_logprobs or []
-            rows.append([_at(positions[t], sequence[t]) for t in range(start, len(sequence))])
-        return rows
+        return [
+            (out.prompt_logprobs or [])[start - 1 :] for out, start in zip(outputs, prompt_lengths)
+        ]
 
-    def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> list[dict[str, Any]]:
-        """Load new weights in every worker of this engine, then drop KV computed with the old."""
-        reports = self.llm.collective_rpc("update_weights_from_ipc_handles", args=(handles,))
-        self.llm.reset_prefix_cache()
-        return reports
+    async def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> list[UpdateReport]:
+        """Load new weights in every rank of this engine, then drop KV computed with the old."""
 
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        def load() -> list[UpdateReport]:
+            engine = self._loop.engine
+            reports: list[UpdateReport] = engine.collective_rpc(
+                "update_weights_from_ipc_handles", (handles,)
+            )
+            engine.reset_prefix_cache()
+            return reports
 
-    def sleep(self, level: int = 1) -> None:
-        self.llm.sleep(level=level)
+        return await self._loop.call(load)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.llm.wake_up(tags=tags)
+    async def reset_prefix_cache(self) -> bool:
+        return await self._loop.call(self._loop.engine.reset_prefix_cache)
 
-    def shutdown(self) -> None:
+    async def sleep(self, level: int) -> None:
+        await self._loop.call(lambda: self._loop.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str]) -> None:
+        await self._loop.call(lambda: self._loop.engine.wake_up(tags))
+
+    async def shutdown(self) -> None:
         """Stop the engine and free its memory; the actor is killed afterwards."""
-        engine = getattr(self, "llm", None)
-        if engine is not None:
-            del self.llm
-            del engine
-            gc.collect()
-
-
-def _at(position: Any, token: int) -> float:
-    """The logprob vLLM reports for ``token`` at one position (it always includes that token)."""
-    if position is None or token not in position:
-        raise GenerationError(f"vLLM returned no logprob for token {token}")
-    return float(position[token].logprob)
+        await asyncio.to_thread(self._loop.close)
 
 
 def _cores_for(slot: tuple[int, int]) -> list[int]:

@@ -1,0 +1,271 @@
+"""``EngineLoop``: one engine stepped on its own thread, driven from an asyncio event loop.
+
+The engine is not thread-safe, so one thread owns it: it runs queued commands (add, abort, weight
+loads, sleep, ...) between steps and steps while requests are pending. Coroutines on the worker's
+event loop submit commands and await their results; each request's future resolves when its row
+finishes, so rows come back as they finish, whatever else is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from gen_interface import GenerationError
+
+from gen_vllm.engine import EngineProtocol, StepOutput
+from gen_vllm.messages import FinishReason, RowOutput, RowRequest
+
+__all__ = ["EngineLoop"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Pending:
+    """A request in the engine and what it has produced so far."""
+
+    future: asyncio.Future[RowOutput]
+    output: RowOutput = field(default_factory=RowOutput)
+
+
+class EngineLoop:
+    """Builds an engine on a daemon thread and owns it there until ``close()``.
+
+    The engine is built on the thread that steps it: vLLM's CPU kernels record the thread count
+    of the thread that set them up and refuse to run on one with another count.
+
+    Args:
+        build: makes the engine (may take a while); the constructor waits for it.
+        name: the thread's name, for logs.
+        num_threads: torch (OpenMP) threads for the engine thread; None keeps torch's default.
+
+    Raises:
+        Whatever ``build`` raises.
+    """
+
+    def __init__(
+        self,
+        build: Callable[[], EngineProtocol],
+        name: str = "vllm-engine",
+        num_threads: int | None = None,
+    ):
+        self._commands: list[Callable[[], None]] = []
+        self._pending: dict[str, _Pending] = {}
+        self._wake = threading.Condition()
+        self._paused = False
+        self._stopped = False
+        self._failure: str | None = None
+        self._version = 0
+        built: concurrent.futures.Future[EngineProtocol] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(build, num_threads, built), name=name, daemon=True
+        )
+        self._thread.start()
+        self.engine = built.result()
+
+    # ---- asyncio side --------------------------------------------------------------------
+
+    async def generate(self, request: RowRequest) -> RowOutput:
+        """Run one request to its end (or until it is cut short); cancelling aborts it."""
+        future: asyncio.Future[RowOutput] = asyncio.get_running_loop().create_future()
+
+        def add() -> None:
+            self._check_usable()
+            self.engine.add_request(request.request_id, request.prompt, request.params)
+            self._pending[request.request_id] = _Pending(future)
+
+        try:
+            await self.call(add)
+            return await future
+        except asyncio.CancelledError:
+            self.post(lambda: self._abort([request.request_id], report=False))
+            raise
+
+    async def call(self, command: Callable[[], T]) -> T:
+        """Run ``command`` on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.submit(command))
+
+    def run(self, command: Callable[[], T]) -> T:
+        """``call`` for code that is not on an event loop (the worker's constructor)."""
+        return self.submit(command).result()
+
+    def submit(self, command: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Queue ``command`` for the engine thread; its future holds the result or error."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def wrapped() -> None:
+            try:
+                done.set_result(command())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        self.post(wrapped)
+        return done
+
+    def post(self, command: Callable[[], None]) -> None:
+        with self._wake:
+            if self._stopped:
+                raise GenerationError("this vLLM engine is shut down")
+            self._commands.append(command)
+            self._wake.notify()
+
+    # ---- engine-thread commands (call these inside ``call``/``run``) ----------------------
+
+    def pause(self) -> None:
+        """Stop stepping; running requests keep their place and resume after ``resume``."""
+        if not self._paused:
+            self.engine.pause()
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            self.engine.resume()
+            self._paused = False
+
+    def cut_all(self) -> int:
+        """End every running request now: each returns its tokens so far as ``"abort"``."""
+        ids = list(self._pending)
+        self._abort(ids, report=True)
+        return len(ids)
+
+    def set_version(self, version: int) -> None:
+        """Tokens produced from now on come from weights ``version``."""
+        self.engine.set_weight_version(version)
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (pending requests fail) and shut the engine down. Idempotent."""
+        with self._wake:
+            if self._stopped:
+                return
+            self._commands.append(self._fail_all_and_shutdown)
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def _fail_all_and_shutdown(self) -> None:
+        self._fail_all("the engine was shut down")
+        self.engine.shutdown()
+
+    # ---- the thread --------------------------------------------------------------------------
+
+    def _run(
+        self,
+        build: Callable[[], EngineProtocol],
+        num_threads: int | None,
+        built: concurrent.futures.Future[EngineProtocol],
+    ) -> None:
+        if num_threads is not None:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        try:
+            built.set_result(build())
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        while True:
+            with self._wake:
+                while not self._commands and not self._stopped and not self._should_step():
+                    self._wake.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopped and not commands
+            for command in commands:
+                command()
+            if stopping:
+                return
+            if self._should_step():
+                self._step()
+
+    def _should_step(self) -> bool:
+        return bool(self._pending) and not self._paused and self._failure is None
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("vLLM engine step failed")
+            self._failure = f"an engine step failed: {type(exc).__name__}: {exc}"
+            self._fail_all(self._failure)
+            return
+        for step in outputs:
+            self._record(step)
+
+    def _record(self, step: StepOutput) -> None:
+        pending = self._pending.get(step.request_id)
+        if pending is None:
+            return
+        out = pending.output
+        out.token_ids.extend(step.token_ids)
+        out.logprobs.extend(step.logprobs)
+        out.weight_versions.extend([self._version] * len(step.token_ids))
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs
+        if step.finish_reason is not None:
+            out.finish_reason = _reason(step.finish_reason)
+            del self._pending[step.request_id]
+            _resolve(pending.future, out)
+
+    def _abort(self, request_ids: list[str], *, report: bool) -> None:
+        live = [i for i in request_ids if i in self._pending]
+        if not live:
+            return
+        self.engine.abort(live)
+        for request_id in live:
+            pending = self._pending.pop(request_id)
+            if report:
+                pending.output.finish_reason = "abort"
+                _resolve(pending.future, pending.output)
+
+    def _fail_all(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for item in pending.values():
+            _fail(item.future, GenerationError(f"vLLM engine: {reason}"))
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise GenerationError(f"this vLLM engine is unusable: {self._failure}")
+
+
+def _reason(finish_reason: str) -> FinishReason:
+    if finish_reason in ("stop", "length", "abort"):
+        return finish_reason  # type: ignore[return-value]
+    return "length"
+
+
+def _resolve(future: asyncio.Future[RowOutput], value: RowOutput) -> None:
+    loop = future.get_loop()
+
+    def set_result() -> None:
+        if not future.done():
+            future.set_result(value)
+
+    loop.call_soon_threadsafe(set_result)
+
+
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    loop = future.get_loop()
+
+    def set_exception() -> None:
+        if not future.done():
+            future.set_exception(error)
+
+    loop.call_soon_threadsafe(set_exception)

@@ -1,0 +1,74 @@
+"""The plain data that crosses the Ray boundary between ``VllmGeneration`` and its workers.
+
+Only ints, floats, strings, lists and dicts, so nothing depends on pickling vLLM or torch types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+__all__ = ["FinishReason", "RowOutput", "RowRequest", "UpdateReport", "WorkerInfo"]
+
+#: Why a row ended: a stop token or string, the length limit, or cut short by the caller or by
+#: a weight update in ``abort`` mode (the tokens so far are kept).
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One prompt to complete.
+
+    Attributes:
+        request_id: unique among the requests in flight on a worker.
+        prompt: the prompt's token ids.
+        params: ``vllm.SamplingParams`` keyword arguments (see ``params.row_sampling_params``).
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: dict[str, Any]
+
+
+@dataclass
+class RowOutput:
+    """One finished (or cut-short) row.
+
+    Attributes:
+        token_ids: the generated tokens.  # [g]
+        logprobs: the log-probability of each, in the engine's logprobs mode.  # [g]
+        finish_reason: why the row ended.
+        weight_versions: the weight version that produced each token.  # [g]
+        prompt_logprobs: for scoring requests, the raw log-probability of each prompt token
+            after the first given the tokens before it.  # [p - 1]
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+    weight_versions: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+
+
+class WorkerInfo(TypedDict):
+    """What a worker reports once its engine is up."""
+
+    pid: int
+    host: str
+    device_ids: list[str]  # one per tensor-parallel rank, in rank order
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    startup_seconds: float
+    checkpoint_specs: dict[str, tuple[list[int], str]]
+    optional_weights: list[str]
+
+
+class UpdateReport(TypedDict):
+    """One tensor-parallel rank's account of a weight update."""
+
+    rank: int
+    device_id: str
+    received_checksum: int  # of the tensors read, as sent (the same on every rank)
+    model_checksum: int  # of this rank's parameters after loading (its own shard)
+    seconds: float

@@ -1,0 +1,132 @@
+"""``RowRouter``: rows go to the replica with the least outstanding work and come back as they
+finish.
+
+Every row is its own request to a worker, so one replica with long rows never holds up the rows
+of another, and the caller sees each row as soon as it ends. A replica takes at most
+``capacity`` rows at once (its engine's ``max_num_seqs``); rows beyond that wait here and go to
+whichever replica frees a slot first, so uneven row lengths even out across replicas. The load
+counts are shared by every call in flight, so concurrent calls balance against each other.
+
+Runs on the driver's ``BackgroundLoop``; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from gen_interface import GenerationError
+
+from gen_vllm.messages import RowOutput, RowRequest
+from gen_vllm.replicas import ReplicaSet, translate_ray_error
+
+__all__ = ["RowRouter"]
+
+
+class RowRouter:
+    """Routes rows over ``replicas``.
+
+    Args:
+        replicas: the workers.
+        capacity: most rows one replica runs at once.
+    """
+
+    def __init__(self, replicas: ReplicaSet, capacity: int):
+        self._replicas = replicas
+        self._capacity = capacity
+        self.outstanding = [0] * len(replicas)  # estimated tokens still to generate, per replica
+        self.rows = [0] * len(replicas)  # rows in flight, per replica
+        self._freed: asyncio.Condition | None = None
+
+    async def run(
+        self, requests: Sequence[RowRequest], costs: Sequence[int], timeout_s: float
+    ) -> AsyncGenerator[tuple[int, RowOutput], None]:
+        """Yield ``(index into requests, output)`` as each row finishes.
+
+        Args:
+            requests: the rows, each with a request id unique among rows in flight.
+            costs: each row's estimated work (its token budget), for balancing.
+            timeout_s: the whole call's time limit.
+
+        Raises:
+            GenerationError: a worker failed or died, or the call passed ``timeout_s``. Rows
+                still running are cancelled (aborted in their engines) on any exit, including
+                the caller closing the iterator early.
+        """
+        loop = asyncio.get_running_loop()
+        freed = self._condition()
+        deadline = loop.time() + timeout_s
+        waiting = deque(range(len(requests)))
+        running: dict[asyncio.Task[RowOutput], tuple[int, int, Any]] = {}
+        try:
+            while waiting or running:
+                while waiting and (replica := self._least_loaded()) is not None:
+                    index = waiting.popleft()
+                    ref = self._replicas.generate(replica, requests[index])
+                    self._take(replica, costs[index])
+                    running[asyncio.ensure_future(_result(ref))] = (index, replica, ref)
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise GenerationError(
+                        f"generate did not finish within {timeout_s:g} s "
+                        f"({len(waiting) + len(running)} of {len(requests)} rows unfinished; "
+                        "vllm_cfg.generate_timeout_s sets the limit)"
+                    )
+                if not running:  # every replica is full of other calls' rows
+                    async with freed:
+                        await asyncio.wait_for(freed.wait(), remaining)
+                    continue
+                done, _ = await asyncio.wait(
+                    running, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    index, replica, _ = running.pop(task)
+                    await self._give_back(replica, costs[index])
+                    yield index, task.result()
+        finally:
+            for task, (index, replica, ref) in running.items():
+                _cancel(ref)
+                task.cancel()
+                self._untake(replica, costs[index])
+            if running:
+                async with freed:
+                    freed.notify_all()
+
+    def _least_loaded(self) -> int | None:
+        free = [r for r in range(len(self.rows)) if self.rows[r] < self._capacity]
+        return min(free, key=lambda r: (self.outstanding[r], self.rows[r], r)) if free else None
+
+    def _take(self, replica: int, cost: int) -> None:
+        self.rows[replica] += 1
+        self.outstanding[replica] += cost
+
+    def _untake(self, replica: int, cost: int) -> None:
+        self.rows[replica] -= 1
+        self.outstanding[replica] -= cost
+
+    async def _give_back(self, replica: int, cost: int) -> None:
+        self._untake(replica, cost)
+        async with self._condition():
+            self._condition().notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        return self._freed
+
+
+async def _result(ref: Any) -> RowOutput:
+    try:
+        return await ref
+    except Exception as exc:
+        raise translate_ray_error(exc, "generate") from exc
+
+
+def _cancel(ref: Any) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # the row finished meanwhile, or its worker is gone
+        ray.cancel(ref)

@@ -1,0 +1,344 @@
+"""A stand-in for vLLM's engine where the CPU build cannot go: sleep mode and tensor parallelism.
+
+``FakeEngine`` follows ``gen_vllm.engine.EngineProtocol`` and, behind it, the contracts vLLM
+documents for CUDA (read in vLLM 0.32's ``gpu_worker.py`` and ``device_allocator/cumem.py``):
+
+- **Sleep mode** needs ``enable_sleep_mode``; level 1 backs the weights up to host memory and
+  unmaps them and the KV cache; level 2 unmaps both without a backup. ``wake_up(tags)`` maps the
+  named memory again and, for weights after level 1, copies the backup back (over whatever was
+  written meanwhile). Writing weights or stepping while the memory is unmapped fails loudly, as
+  the real allocator's illegal-address fault would.
+- **Tensor parallelism**: each rank holds its own shard of every weight (dim 0 split across
+  ranks), loads through the real ``UpdatableVllmInternalWorker`` extension, and reports its own
+  checksum; the engine computes with the shards gathered back.
+
+It plugs into the real ``VllmGenerationWorker`` / ``ReplicaSet`` / ``VllmGeneration`` (pass
+``engine_factory=FakeEngineFactory(...)``); tokens come from the tiny model's real forward pass,
+so outputs change with the weights exactly as a real engine's would.
+
+Faults for failure tests: ``hang_in`` (method names that never return), ``corrupt_one_load``
+(the first engine to load an update keeps one rank's shard wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gen_interface.sampling import select_next_tokens
+from gen_vllm.engine import EngineLimits, StepOutput
+from gen_vllm.extension import UpdatableVllmInternalWorker
+
+_GARBAGE = float("nan")  # what unmapped, re-mapped memory reads as
+
+
+class FakeEngineFactory:
+    """Builds one ``FakeEngine`` per worker; picklable, so Ray ships it to the actors.
+
+    Args:
+        log_dir: where each engine appends its events (``<pid>.jsonl``) for tests to read.
+        hang_in: engine methods (``"sleep"``, ``"wake_up"``, ``"reset_prefix_cache"``,
+            ``"update"``) that block forever when called.
+        corrupt_one_load: the first engine (across processes) to load an update writes a wrong
+            shard on its last rank.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        *,
+        hang_in: frozenset[str] = frozenset(),
+        corrupt_one_load: bool = False,
+    ):
+        self.log_dir = str(log_dir)
+        self.hang_in = frozenset(hang_in)
+        self.corrupt_one_load = corrupt_one_load
+
+    def __call__(self, model: str, engine_args: dict[str, Any]) -> FakeEngine:
+        return FakeEngine(model, engine_args, self)
+
+
+def read_events(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every event every fake engine logged, in file then line order."""
+    events = []
+    for path in sorted(Path(log_dir).glob("*.jsonl")):
+        events.extend(json.loads(line) for line in path.read_text().splitlines())
+    return events
+
+
+class FakeEngine:
+    """One engine: ``tensor_parallel_size`` ranks in this process, a tiny model's forward pass."""
+
+    def __init__(self, model: str, engine_args: dict[str, Any], factory: FakeEngineFactory):
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self._factory = factory
+        self._log_path = Path(factory.log_dir) / f"{os.getpid()}.jsonl"
+        self.sleep_enabled = bool(engine_args.get("enable_sleep_mode"))
+        self.processed = engine_args.get("logprobs_mode") == "processed_logprobs"
+        config = AutoConfig.from_pretrained(model)
+        self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        checkpoint = load_file(str(Path(model) / "model.safetensors"))
+        tp = int(engine_args.get("tensor_parallel_size", 1))
+        bundles = os.environ.get("VLLM_RAY_BUNDLE_INDICES", "").split(",")
+        self.ranks = [
+            FakeRank(rank, tp, model, checkpoint, bundles[rank] if tp > 1 else "")
+            for rank in range(tp)
+        ]
+        self.limits = EngineLimits(
+            vocab_size=int(config.vocab_size),
+            max_model_len=int(engine_args.get("max_model_len") or config.max_position_embeddings),
+            dtype="float32",
+            model=model,
+        )
+        self.kv_mapped = True
+        self.paused = False
+        self._requests: dict[str, _Request] = {}
+        self._loaded_version = -1
+        self._log("start", tp=tp, sleep_enabled=self.sleep_enabled)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> None:
+        if params.get("stop"):
+            raise NotImplementedError("the fake engine has no tokenizer for stop strings")
+        self._requests[request_id] = _Request(prompt, params)
+
+    def step(self) -> list[StepOutput]:
+        if self.paused or not self._requests:
+            return []
+        self._check_mapped("step")
+        model = self._current_model()
+        outputs = []
+        with torch.inference_mode():
+            for request_id, request in list(self._requests.items()):
+                outputs.append(request.advance(request_id, model, self.processed))
+                if outputs[-1].finish_reason is not None:
+                    del self._requests[request_id]
+        return outputs
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- control -----------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if method == "update_weights_from_ipc_handles":
+            self._maybe_hang("update")
+            self._log("update", mapped=[r.weights_mapped for r in self.ranks])
+            if self._factory.corrupt_one_load and self._claim("corrupt"):
+                self.ranks[-1].corrupt_next_load = True
+        return [getattr(rank, method)(*args) for rank in self.ranks]
+
+    def reset_prefix_cache(self) -> bool:
+        self._maybe_hang("reset_prefix_cache")
+        self._log("reset_prefix_cache")
+        return not self._requests
+
+    def sleep(self, level: int) -> None:
+        self._maybe_hang("sleep")
+        if not self.sleep_enabled:
+            raise RuntimeError("Sleep mode is not enabled: start the engine with enable_sleep_mode")
+        self._log("sleep", level=level)
+        for rank in self.ranks:
+            rank.sleep(level)
+        self.kv_mapped = False
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._maybe_hang("wake_up")
+        self._log("wake_up", tags=tags)
+        for rank in self.ranks:
+            rank.wake_up(tags)
+        if tags is None or "kv_cache" in tags:
+            self.kv_mapped = True
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def set_weight_version(self, version: int) -> None:
+        self._log("version", version=version)
+
+    def shutdown(self) -> None:
+        self._log("shutdown")
+        self._requests.clear()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _current_model(self) -> torch.nn.Module:
+        version = sum(rank.version for rank in self.ranks)
+        if version != self._loaded_version:
+            first = self.ranks[0]
+            full = {
+                name: torch.cat([r.shards[name] for r in self.ranks])
+                if first.split[name]
+                else shard
+                for name, shard in first.shards.items()
+            }
+            self._model.load_state_dict(full, strict=False)
+            self._model.tie_weights()
+            self._loaded_version = version
+        return self._model
+
+    def _check_mapped(self, what: str) -> None:
+        if not self.kv_mapped or not all(rank.weights_mapped for rank in self.ranks):
+            raise RuntimeError(
+                f"CUDA error: an illegal memory access was encountered ({what} "
+                "while the engine sleeps)"
+            )
+
+    def _maybe_hang(self, method: str) -> None:
+        if method in self._factory.hang_in:
+            self._log("hang", method=method)
+            time.sleep(3600)
+
+    def _claim(self, what: str) -> bool:
+        """True for the first engine, across processes, to claim ``what``."""
+        try:
+            os.close(os.open(Path(self._factory.log_dir) / f"{what}.claim", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+        return True
+
+    def _log(self, event: str, **fields: Any) -> None:
+        with self._log_path.open("a") as log:
+            log.write(json.dumps({"event": event, "pid": os.getpid(), **fields}) + "\n")
+
+
+class FakeRank(UpdatableVllmInternalWorker):
+    """One tensor-parallel rank: the real worker extension over a shard of every weight."""
+
+    def __init__(
+        self, rank: int, tp: int, model: str, checkpoint: dict[str, torch.Tensor], bundle: str
+    ):
+        self.rank = rank
+        self.device = torch.device("cpu")
+        self.model_config = type("ModelConfig", (), {"model": model, "dtype": torch.float32})()
+        self.split = {
+            n: tp > 1 and t.dim() > 0 and t.shape[0] % tp == 0 for n, t in checkpoint.items()
+        }
+        self._tp = tp
+        self.shards = {n: self._shard(n, t).clone() for n, t in checkpoint.items()}
+        self.model_runner = _FakeModelRunner(self)
+        self.weights_mapped = True
+        self.corrupt_next_load = False
+        self.version = 0
+        self._backup: dict[str, torch.Tensor] | None = None
+        # Like a GPU UUID: which placement group and bundle (or visible GPU) this rank holds.
+        where = bundle or os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        self._device_id = f"GPU-fake-{_placement_group_id()}-{where}-r{rank}-{os.getpid()}"
+
+    def report_device_id(self) -> str:
+        return self._device_id
+
+    def load(self, tensors: Any) -> None:
+        if not self.weights_mapped:
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered (weights written while "
+                "asleep)"
+            )
+        for name, tensor in tensors:
+            if name in self.shards:
+                self.shards[name].copy_(self._shard(name, tensor))
+        if self.corrupt_next_load:  # a load that went wrong on this rank only
+            self.corrupt_next_load = False
+            self.shards[sorted(self.shards)[0]].add_(1.0)
+        self.version += 1
+
+    def sleep(self, level: int) -> None:
+        self._backup = {n: t.clone() for n, t in self.shards.items()} if level == 1 else None
+        for shard in self.shards.values():
+            shard.fill_(_GARBAGE)
+        self.weights_mapped = False
+        self.version += 1
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        if (tags is None or "weights" in tags) and not self.weights_mapped:
+            self.weights_mapped = True
+            if self._backup is not None:
+                for name, shard in self.shards.items():
+                    shard.copy_(self._backup[name])
+                self._backup = None
+            self.version += 1
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.split.get(name, False):
+            return tensor
+        return tensor.chunk(self._tp)[self.rank]
+
+
+class _FakeModelRunner:
+    """What the extension uses of vLLM's model runner: ``reload_weights`` and ``get_model``."""
+
+    def __init__(self, rank: FakeRank):
+        self._rank = rank
+
+    def reload_weights(self, weights_iterator: Any) -> None:
+        self._rank.load(weights_iterator)
+
+    def get_model(self) -> torch.nn.Module:
+        module = torch.nn.Module()
+        for name, shard in self._rank.shards.items():
+            module.register_buffer(name.replace(".", "__"), shard)
+        return module
+
+
+class _Request:
+    """One request's state: its sequence, its generator, what it asked for."""
+
+    def __init__(self, prompt: list[int], params: dict[str, Any]):
+        self.sequence = list(prompt)
+        self.prompt_length = len(prompt)
+        self.params = params
+        self.generated = 0
+        seed = params.get("seed")
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+
+    def advance(self, request_id: str, model: torch.nn.Module, processed: bool) -> StepOutput:
+        logits = model(input_ids=torch.tensor([self.sequence])).logits[0].float()
+        prompt_logprobs = None
+        if self.params.get("prompt_logprobs") is not None and self.generated == 0:
+            scores = logits[:-1].log_softmax(-1)
+            targets = torch.tensor(self.sequence[1:])
+            prompt_logprobs = scores.gather(1, targets[:, None]).squeeze(1).tolist()
+        temperature = float(self.params.get("temperature", 1.0))
+        top_k = self.params.get("top_k") or None
+        tokens, logprobs = select_next_tokens(
+            logits[-1:],
+            greedy=temperature == 0.0,
+            temperature=temperature or 1.0,
+            top_k=top_k if top_k and top_k > 0 else None,
+            top_p=float(self.params.get("top_p", 1.0)),
+            processed=processed,
+            generators=[self.generator],
+        )
+        token = int(tokens[0])
+        self.sequence.append(token)
+        self.generated += 1
+        reason = None
+        if token in self.params.get("stop_token_ids", []):
+            reason = "stop"
+        elif self.generated >= int(self.params["max_tokens"]):
+            reason = "length"
+        return StepOutput(request_id, [token], [float(logprobs[0])], reason, prompt_logprobs)
+
+
+def _placement_group_id() -> str:
+    try:
+        import ray
+
+        group = ray.util.get_current_placement_group()
+        return group.id.hex()[:8] if group is not None else "none"
+    except Exception:
+        return "none"
