@@ -66,3 +66,9 @@ def test_cluster_reserves_bundles_and_refuses_what_is_not_there(ray_session):
     too_many = int(ray_session.cluster_resources()["GPU"]) + 1
     with pytest.raises(BackendUnavailableError, match="could not reserve"):
         RayVirtualCluster([too_many], use_gpus=True, placement_timeout_s=3)
+
+
+def test_config_seeds_beyond_32_bits_reach_every_row_and_the_engine_takes_them():
+    """vLLM seeds numpy with its engine seed (32 bits); rows carry their own 64-bit seeds."""
+    config = complete_vllm_config(dict(BASE, seed=2**40 + 5))
+    assert engine_args_for(config, use_gpus=False)["seed"] == 5
