@@ -68,20 +68,22 @@ def test_state_dict_update_changes_outputs_and_restores_exactly(
     assert_same(before, greedy(backend))
 
 
-def test_a_subset_of_the_weights_can_be_updated(
+def test_a_subset_of_the_weights_is_refused_as_in_every_backend(
     backend: HfGeneration, original: dict[str, torch.Tensor]
 ):
-    """Only ``lm_head.weight`` travels; every other tensor keeps its value."""
+    """Only ``lm_head.weight`` travels: refused (every weight must), nothing written."""
     before = greedy(backend)
-    with share_weights({"lm_head.weight": original["lm_head.weight"].flip(0)}) as shared:
+    with (
+        share_weights({"lm_head.weight": original["lm_head.weight"].flip(0)}) as shared,
+        pytest.raises(WeightUpdateError, match=r"missing .*nothing|nothing was written.*missing"),
+    ):
         backend.update_weights_from_ipc_handles(shared.handles)
-    now = backend.state_dict()
-    assert torch.equal(now["lm_head.weight"], original["lm_head.weight"].flip(0))
-    assert all(torch.equal(now[n], original[n]) for n in original if n != "lm_head.weight")
-    assert_changed(before, greedy(backend))
+    assert_same(before, greedy(backend))
 
 
-@pytest.mark.parametrize("fault", ["wrong shape", "unknown name", "wrong dtype", "not a tensor"])
+@pytest.mark.parametrize(
+    "fault", ["wrong shape", "unknown name", "non-float dtype", "not a tensor", "missing"]
+)
 def test_mismatched_state_dict_update_is_refused_and_changes_nothing(
     backend: HfGeneration, original: dict[str, torch.Tensor], fault: str
 ):
@@ -92,8 +94,10 @@ def test_mismatched_state_dict_update_is_refused_and_changes_nothing(
         bad[name] = torch.ones(7)
     elif fault == "unknown name":
         bad["model.layers.99.mlp.up_proj.weight"] = torch.ones(3)
-    elif fault == "wrong dtype":
-        bad[name] = bad[name].to(torch.float16)
+    elif fault == "non-float dtype":
+        bad[name] = bad[name].to(torch.int64)
+    elif fault == "missing":
+        del bad[name]
     else:
         bad[name] = bad[name].tolist()
     with pytest.raises(WeightUpdateError, match="nothing was written"):

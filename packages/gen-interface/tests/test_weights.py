@@ -121,10 +121,14 @@ def test_mismatches_are_refused_before_any_bucket_is_mapped():
             read_shared_weights(shared.handles, expected=model)
         message = str(refused.value)
         assert "'extra' is not a weight of the model" in message and "shape [2, 3]" in message
-    with pytest.raises(WeightUpdateError, match="is bfloat16, the model's is float32"):
+    with pytest.raises(WeightUpdateError, match="is int32, the model's is float32"):
         check_weights_match(
-            {"w": (torch.Size([2]), torch.bfloat16)}, {"w": (torch.Size([2]), torch.float32)}
+            {"w": (torch.Size([2]), torch.int32)}, {"w": (torch.Size([2]), torch.float32)}
         )
+    # floating-point weights in another floating-point dtype are cast on the way
+    check_weights_match(
+        {"w": (torch.Size([2]), torch.bfloat16)}, {"w": (torch.Size([2]), torch.float32)}
+    )
 
 
 def test_a_bucket_changed_after_sharing_is_refused():
@@ -150,7 +154,7 @@ def test_malformed_handles_are_refused():
     with pytest.raises(WeightUpdateError, match="format"):
         describe_weight_handles({"buckets": []})
     with pytest.raises(WeightUpdateError, match="malformed"):
-        describe_weight_handles({"format": 1, "host": "h", "buckets": [{"tensors": [{}]}]})
+        describe_weight_handles({"format": 2, "host": "h", "buckets": [{"tensors": [{}]}]})
 
 
 def test_checksums_see_changed_and_moved_bytes():
@@ -193,7 +197,7 @@ def _gpu_copy(uuid: str, names: list[str], shape: list[int] | None = None) -> di
 
 
 def _handles(*buckets, host="h") -> dict:
-    return {"format": 1, "host": host, "buckets": list(buckets)}
+    return {"format": 2, "host": host, "buckets": list(buckets), "release_after_read": True}
 
 
 def test_each_worker_reads_the_copy_on_its_own_gpu():

@@ -25,13 +25,16 @@ from __future__ import annotations
 import json
 import os
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
 from gen_interface.sampling import select_next_tokens
+from gen_interface.weights.collective import CollectiveEndpoint, join_weight_group
 from gen_vllm.engine import EngineLimits, StepOutput
 from gen_vllm.extension import UpdatableVllmInternalWorker
+from gen_vllm.receive import receive_load
 
 _GARBAGE = float("nan")  # what unmapped, re-mapped memory reads as
 
@@ -132,7 +135,7 @@ class FakeEngine:
     # ---- control -----------------------------------------------------------------------------
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        if method == "update_weights_from_ipc_handles":
+        if method == "update_weights":
             self._maybe_hang("update")
             self._log("update", mapped=[r.weights_mapped for r in self.ranks])
             if self._factory.corrupt_one_load and self._claim("corrupt"):
@@ -233,6 +236,8 @@ class FakeRank(UpdatableVllmInternalWorker):
         self.model_runner = _FakeModelRunner(self)
         self.weights_mapped = True
         self.corrupt_next_load = False
+        self._updating = False
+        self.weight_transfer_engine = types.SimpleNamespace(received=[], group=None)
         self.version = 0
         self._backup: dict[str, torch.Tensor] | None = None
         # Like a GPU UUID: which placement group and bundle (or visible GPU) this rank holds.
@@ -241,6 +246,34 @@ class FakeRank(UpdatableVllmInternalWorker):
 
     def report_device_id(self) -> str:
         return self._device_id
+
+    # vLLM's Worker side of a weight update (gpu_worker.py), around this project's receiving
+    # code (receive.py), as the real transfer engine runs it.
+
+    def start_weight_update(self) -> None:
+        if self._updating:
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+        self._updating = True
+        self.weight_transfer_engine.received = []
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if not self._updating:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        engine = self.weight_transfer_engine
+        for bucket in receive_load(update_info, device_uuid=None, group=engine.group):
+            self.load(bucket.tensors)
+            engine.received.append(bucket.checksum)
+
+    def finish_weight_update(self) -> None:
+        if not self._updating:
+            raise RuntimeError("finish_weight_update called without a matching start")
+        self._updating = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        endpoint = CollectiveEndpoint(**init_info["endpoint"])
+        self.weight_transfer_engine.group = join_weight_group(
+            endpoint, init_info["rank"] + self.rank, torch.device("cpu")
+        )
 
     def load(self, tensors: Any) -> None:
         if not self.weights_mapped:
@@ -279,13 +312,10 @@ class FakeRank(UpdatableVllmInternalWorker):
 
 
 class _FakeModelRunner:
-    """What the extension uses of vLLM's model runner: ``reload_weights`` and ``get_model``."""
+    """What the extension uses of vLLM's model runner: ``get_model``."""
 
     def __init__(self, rank: FakeRank):
         self._rank = rank
-
-    def reload_weights(self, weights_iterator: Any) -> None:
-        self._rank.load(weights_iterator)
 
     def get_model(self) -> torch.nn.Module:
         module = torch.nn.Module()

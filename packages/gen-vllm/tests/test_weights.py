@@ -19,13 +19,23 @@ def _greedy(backend):
     return backend.generate(pad_prompts(PROMPTS, "left"), greedy=True)
 
 
-def test_an_update_reaches_every_replica_and_updating_back_restores(backend, tiny_qwen2):
+def test_an_update_reaches_every_replica_and_updating_back_restores(
+    backend, tiny_qwen2, monkeypatch
+):
     original = tiny_qwen2.state_dict()
     before = _greedy(backend)
     scaled = {k: v * 1.5 if k.endswith("proj.weight") else v for k, v in original.items()}
+    finished = []
+    real_finish = backend.replicas.finish_weight_update
+
+    def spy(version):
+        finished.append(real_finish(version))
+        return finished[-1]
+
+    monkeypatch.setattr(backend.replicas, "finish_weight_update", spy)
     with share_weights(scaled) as shared:
-        outcomes = backend.replicas.update_weights(dict(shared.handles))  # what the backend calls
-    reports = verify_update(outcomes)
+        backend.update_weights_from_ipc_handles(shared.handles)
+    reports = verify_update(finished[0])
     assert len(reports) == backend.num_replicas == 2
     assert len({r["received_checksum"] for r in reports}) == 1
     assert len({r["model_checksum"] for r in reports}) == 1

@@ -8,9 +8,10 @@ layout) on the model's own forward pass and KV cache; see ``decode.py`` for the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,8 +36,9 @@ from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
+    WeightUpdates,
+    WeightUpdateSteps,
     check_weights_match,
-    describe_weight_handles,
     read_shared_weights,
     release_shared_weights,
 )
@@ -51,7 +53,7 @@ from gen_hf.loading import (
     resolve_device,
 )
 from gen_hf.score import score_sequences
-from gen_hf.weights import model_tensor_specs, state_dict_specs, write_weights
+from gen_hf.weights import model_tensor_specs, state_dict_specs, tied_aliases, write_weights
 
 __all__ = ["HfGeneration"]
 
@@ -100,6 +102,12 @@ class HfGeneration(GenerationInterface):
         self._lock = threading.Lock()
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
             "HfGeneration", wake=self._wake, release=self._release, close=self._close
+        )
+        self._weights = WeightUpdates(
+            self._lifecycle,
+            self._specs,
+            tied_aliases(self._loaded.model),
+            WeightUpdateSteps(load=self._load),
         )
 
     def with_sampling(self, **overrides: Any) -> HfGeneration:
@@ -190,6 +198,7 @@ class HfGeneration(GenerationInterface):
                 self.config, prompts, context_limit=self._context_limit, decode=self._decode
             )
             generators = row_generators(row_seeds_for(prompts, self.config.get("seed")))
+            version = self._weights.version
             results = decode_batch(
                 loaded,
                 prompts.prompts(),
@@ -199,7 +208,8 @@ class HfGeneration(GenerationInterface):
                 device=self._device,
                 max_batch_size=self._max_batch_size,
             )
-        return build_generation_output(prompts, results, pad_token_id)
+        rows = [dataclasses.replace(r, weight_version=version) for r in results]
+        return build_generation_output(prompts, rows, pad_token_id)
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
         batch = normalize_score_input(data, vocab_size=self._vocab_size)
@@ -241,29 +251,46 @@ class HfGeneration(GenerationInterface):
     ) -> None:
         check_weights_match(state_dict_info, self._specs)
 
+    @property
+    def weight_version(self) -> int:
+        return self._weights.version
+
+    def start_weight_update(self, version: int | None = None) -> int:
+        return self._weights.start(version)
+
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
-        describe_weight_handles(handles)  # malformed handles are refused before anything else
         try:
-            with self._lifecycle.updating_weights(), self._lock:
-                tensors = read_shared_weights(handles, expected=self._specs)
-                write_weights(self._model().model, tensors)
+            self._weights.load(handles)
         finally:
             release_shared_weights(handles)
 
+    def commit_weight_update(self) -> int:
+        return self._weights.commit()
+
+    def abort_weight_update(self) -> None:
+        self._weights.abort()
+
     def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load weights from an in-process state dict (checked like an IPC update).
+        """Load weights from an in-process state dict (checked like an IPC update): every
+        weight of the model, or one load of an open transaction.
 
         Args:
-            state_dict: ``{checkpoint name: tensor}``, a subset of the model's tensors, on any
-                device.
+            state_dict: ``{checkpoint name: tensor}`` on any device.
 
         Raises:
-            WeightUpdateError: a name, shape or dtype does not match the model (nothing was
-                written), or the backend is shut down.
+            WeightUpdateError: a name, shape or dtype does not fit the model, or a weight is
+                missing (nothing was written), or the backend is shut down.
         """
-        check_weights_match(state_dict_specs(state_dict), self._specs)
-        with self._lifecycle.updating_weights(), self._lock:
-            write_weights(self._model().model, state_dict.items())
+        self._weights.load_described(
+            state_dict_specs(state_dict), lambda: self._write(state_dict.items())
+        )
+
+    def _load(self, handles: Mapping[str, Any]) -> None:
+        self._write(read_shared_weights(handles))  # every bucket verified before any write
+
+    def _write(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self._lock:
+            write_weights(self._model().model, tensors)
 
     # ---- internals ----------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import torch
 from gen_interface import WeightUpdateError
 from gen_interface.weights import TensorSpecs
 
-__all__ = ["model_tensor_specs", "state_dict_specs", "write_weights"]
+__all__ = ["model_tensor_specs", "state_dict_specs", "tied_aliases", "write_weights"]
 
 
 def model_tensor_specs(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -19,6 +19,19 @@ def model_tensor_specs(model: torch.nn.Module) -> dict[str, tuple[torch.Size, to
     may use either.
     """
     return {name: (t.shape, t.dtype) for name, t in model.state_dict().items()}
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of ``model.state_dict()`` that share their memory with an earlier name (e.g.
+    ``lm_head.weight`` tied to ``model.embed_tokens.weight``): an update may omit them."""
+    seen: set[tuple[int, int]] = set()
+    aliases = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            aliases.add(name)
+        seen.add(key)
+    return aliases
 
 
 def state_dict_specs(state_dict: Mapping[str, torch.Tensor]) -> TensorSpecs:
@@ -42,7 +55,8 @@ def write_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     """Copy each ``(name, tensor)`` into the model's tensor of that name, in place.
 
     The caller has checked names, shapes and dtypes (``check_weights_match``). Tensors on
-    another device (shared-memory CPU buckets for a CUDA model) are copied across.
+    another device (shared-memory CPU buckets for a CUDA model) are copied across, and
+    floating-point tensors of another dtype are cast.
 
     Returns:
         The number of tensors written.

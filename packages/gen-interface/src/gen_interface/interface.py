@@ -20,7 +20,7 @@ from gen_interface.specs import (
 
 __all__ = ["BackendCapabilities", "GenerationInterface", "WeightTransport"]
 
-WeightTransport = Literal["shm", "cuda_ipc", "state_dict"]
+WeightTransport = Literal["shm", "cuda_ipc", "state_dict", "collective"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,11 @@ class BackendCapabilities:
             only dropping caches. False on CPU, where vLLM has no sleep mode.
         async_generation: ``generate_async`` yields rows as each finishes (True), or only after
             the whole batch is done (False, the default implementation).
-        weight_transports: how ``update_weights_from_ipc_handles`` can receive weights:
-            ``"shm"`` (CPU shared memory), ``"cuda_ipc"`` (CUDA IPC handles); ``"state_dict"``
-            when the backend also takes an in-process state dict.
+        weight_transports: how the backend can receive weights: ``"shm"`` (CPU shared memory)
+            and ``"cuda_ipc"`` (CUDA IPC handles) through ``update_weights_from_ipc_handles``;
+            ``"collective"`` through ``init_collective`` / ``update_weights_from_collective``
+            (workers on other machines); ``"state_dict"`` when it also takes an in-process
+            state dict.
         devices: the device types the backend runs on now, e.g. ``("cpu",)`` or ``("cuda",)``.
         score: ``score`` computes teacher-forced logprobs of given sequences.
         stop_strings: stop strings are honoured (needs a tokenizer); False means they are refused.
@@ -126,20 +128,112 @@ class GenerationInterface(ABC):
         """
         return None
 
-    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
-        """Load new weights shared by ``gen_interface.weights.share_weights``.
+    # ---- weight updates --------------------------------------------------------------------
+    #
+    # A weight update is a transaction: start_weight_update(version), any number of loads
+    # (update_weights_from_ipc_handles or update_weights_from_collective), commit_weight_update().
+    # Together the loads carry every weight of the model exactly once (tied weights under one of
+    # their names); each load is checked before any of it is written, the commit checks that
+    # nothing is missing and that every worker holds the same weights, then sets the version.
+    # gen_interface.weights.refit drives the whole sequence from a state dict.
 
-        Names use the model's checkpoint (Hugging Face) names. Names, shapes and dtypes are
-        checked before anything is written; a refused update leaves the old weights in force.
-        The shared segments are released once every worker has read them.
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights generation runs on: 0 for the checkpoint's, then what
+        each committed update set. Every output row reports the version it started on."""
+        return 0
+
+    def start_weight_update(self, version: int | None = None) -> int:
+        """Open a transaction that will commit ``version`` (default: the current one plus 1).
+
+        Returns:
+            The version the commit will set.
 
         Raises:
-            WeightUpdateError: the update does not match the model or did not take.
+            WeightUpdateError: a transaction is already open, the version is not an integer
+                >= 0, or the backend is shut down or broken.
+            NotImplementedError: the backend cannot update weights (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support start_weight_update")
+
+    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
+        """Load weights shared by ``gen_interface.weights`` (``share_weights`` or a ``refit``).
+
+        Inside a transaction: one load. Outside one: a complete transaction of its own (start,
+        this load, commit), so the handles must carry every weight. Names use the model's
+        checkpoint (Hugging Face) names; floating-point weights in another floating-point dtype
+        are cast. A load that does not fit is refused before any of it is written; a refused
+        single-call update leaves the old weights in force. Shared segments made by
+        ``share_weights`` are released once every worker has read them.
+
+        Raises:
+            WeightUpdateError: the update does not fit the model, is incomplete, or did not
+                take on every worker.
             NotImplementedError: the backend cannot update weights (the default).
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not support update_weights_from_ipc_handles"
         )
+
+    def collective_ranks(self) -> int:
+        """How many processes receive a broadcast of the weights (``"collective"`` transport).
+
+        Raises:
+            NotImplementedError: the backend has no collective path (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support collective_ranks")
+
+    def init_collective(self, endpoint: Mapping[str, Any]) -> None:
+        """Have every worker join the trainer's weight group; returns once the group formed.
+
+        Call it while the trainer joins as rank 0, as ``WeightBroadcaster.connect`` does.
+
+        Args:
+            endpoint: a ``gen_interface.weights.collective.CollectiveEndpoint``.
+
+        Raises:
+            WeightUpdateError: the group did not form in time.
+            NotImplementedError: the backend has no collective path (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support init_collective")
+
+    def update_weights_from_collective(self, bucket: Mapping[str, Any]) -> None:
+        """Receive one broadcast bucket in every worker and load it: one load of the open
+        transaction, or a complete transaction of its own. Returns once every worker loaded
+        it; the trainer broadcasts meanwhile (``WeightBroadcaster.refit`` does both).
+
+        Args:
+            bucket: a ``gen_interface.weights.collective.BroadcastBucket``.
+
+        Raises:
+            WeightUpdateError: as ``update_weights_from_ipc_handles``.
+            NotImplementedError: the backend has no collective path (the default).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support update_weights_from_collective"
+        )
+
+    def commit_weight_update(self) -> int:
+        """Close the open transaction: check that every weight arrived and every worker took
+        the same weights, then set the weight version.
+
+        Returns:
+            The committed version.
+
+        Raises:
+            WeightUpdateError: no transaction is open, weights are missing (the transaction is
+                aborted), or workers disagree (the backend is then broken).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support commit_weight_update")
+
+    def abort_weight_update(self) -> None:
+        """Drop the open transaction (a no-op when none is open).
+
+        If no load was written yet, the old weights stay in force. If some were, the weights
+        are now part old, part new: the backend refuses to generate until a complete update
+        commits, rather than sample from mixed weights.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support abort_weight_update")
 
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]

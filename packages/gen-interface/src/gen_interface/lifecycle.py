@@ -200,17 +200,24 @@ class Lifecycle:
         Raises:
             WeightUpdateError: the backend is shut down or broken.
         """
+        self.begin_update()
+        try:
+            yield
+        finally:
+            self.end_update()
+
+    def begin_update(self) -> None:
+        """``updating_weights`` for an update that spans several calls (a transaction)."""
         with self._lock:
             self._refuse_if_final(WeightUpdateError)
             if "weights" in self._asleep:
                 self._wake(("weights",))
                 self._asleep.discard("weights")
             self._updating += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._updating -= 1
+
+    def end_update(self) -> None:
+        with self._lock:
+            self._updating -= 1
 
     def check_can_generate(self) -> None:
         """Raise ``GenerationError`` saying what to do unless generation may run now."""
@@ -296,6 +303,13 @@ class LifecycleView:
         self._refuse_if_closed(WeightUpdateError)
         with self.owner.updating_weights():
             yield
+
+    def begin_update(self) -> None:
+        self._refuse_if_closed(WeightUpdateError)
+        self.owner.begin_update()
+
+    def end_update(self) -> None:
+        self.owner.end_update()
 
     def check_can_generate(self) -> None:
         self._refuse_if_closed(GenerationError)

@@ -27,16 +27,25 @@ class RowResult:
         token_ids: the g generated token ids, stop token included when one ended the row.
         logprobs: g log-probabilities, one per generated token, in the config's logprobs mode.
         truncated: True when the row stopped for length (``max_new_tokens`` or the context limit).
+        weight_version: the weight version the row started on.
+        weight_versions: the version that produced each token (g of them); None when every
+            token came from ``weight_version``.
     """
 
     token_ids: Sequence[int]
     logprobs: Sequence[float]
     truncated: bool
+    weight_version: int = 0
+    weight_versions: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"a row has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
+            )
+        if self.weight_versions is not None and len(self.weight_versions) != len(self.token_ids):
+            raise ValueError(
+                f"a row has {len(self.token_ids)} tokens but {len(self.weight_versions)} versions"
             )
 
 
@@ -47,8 +56,10 @@ def build_generation_output(
 
     Returns:
         ``output_ids`` int64 ``[B, L]``, ``logprobs`` float32 ``[B, L]``, ``generation_lengths``
-        and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` bool ``[B]``, where
-        ``L = max_i(p_i + g_i)``. An empty batch gives every field with ``B = 0`` (and ``L = 0``).
+        and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` bool ``[B]``,
+        ``weight_version`` int64 ``[B]`` and ``weight_versions`` int64 ``[B, L]`` (the version
+        of each generated token, 0 elsewhere), where ``L = max_i(p_i + g_i)``. An empty batch
+        gives every field with ``B = 0`` (and ``L = 0``).
     """
     if len(rows) != prompts.size:
         raise ValueError(f"{len(rows)} results for {prompts.size} prompts")
@@ -58,6 +69,7 @@ def build_generation_output(
     width = int(total.max()) if rows else 0
     output_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
     logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    versions = torch.zeros((len(rows), width), dtype=torch.int64)
     prompt_width = prompts.input_ids.shape[1]
     if rows:
         output_ids[:, :prompt_width] = torch.where(
@@ -70,12 +82,19 @@ def build_generation_output(
         if count:
             output_ids[i, start : start + count] = torch.as_tensor(row.token_ids, dtype=torch.int64)
             logprobs[i, start : start + count] = torch.as_tensor(row.logprobs, dtype=torch.float32)
+            versions[i, start : start + count] = (
+                row.weight_version
+                if row.weight_versions is None
+                else torch.as_tensor(row.weight_versions, dtype=torch.int64)
+            )
     return BatchedDataDict(
         output_ids=output_ids,
         logprobs=logprobs,
         generation_lengths=generation_lengths,
         unpadded_sequence_lengths=total,
         truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+        weight_version=torch.tensor([r.weight_version for r in rows], dtype=torch.int64),
+        weight_versions=versions,
     )
 
 

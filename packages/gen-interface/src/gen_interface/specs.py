@@ -83,6 +83,9 @@ class GenerationOutputSpec(TypedDict):
     unpadded_sequence_lengths: torch.Tensor  # int64 [B]: p_i + g_i
     logprobs: torch.Tensor  # float32 [B, L]: position p_i + j holds generated token j's; else 0.0
     truncated: torch.Tensor  # bool [B]: stopped for length, not for a stop token or string
+    weight_version: torch.Tensor  # int64 [B]: the weight version the row started on
+    # int64 [B, L]: position p_i + j holds the version that produced generated token j; else 0
+    weight_versions: torch.Tensor
 
 
 class ScoreSpec(TypedDict):

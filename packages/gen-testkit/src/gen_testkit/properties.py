@@ -29,6 +29,8 @@ OUTPUT_DTYPES: dict[str, torch.dtype] = {
     "generation_lengths": torch.int64,
     "unpadded_sequence_lengths": torch.int64,
     "truncated": torch.bool,
+    "weight_version": torch.int64,
+    "weight_versions": torch.int64,
 }
 
 # log_softmax may round the top log-probability a hair above zero.
@@ -46,7 +48,9 @@ def check_layout(prompts: Sequence[Sequence[int]], output: Mapping[str, Any]) ->
     ids, logprobs = output["output_ids"], output["logprobs"]
     assert ids.dim() == 2 and ids.shape[0] == batch, f"output_ids is {tuple(ids.shape)}, B={batch}"
     assert logprobs.shape == ids.shape, f"logprobs {tuple(logprobs.shape)} != {tuple(ids.shape)}"
-    for key in ("generation_lengths", "unpadded_sequence_lengths", "truncated"):
+    versions = output["weight_versions"]
+    assert versions.shape == ids.shape, f"weight_versions {tuple(versions.shape)} != {ids.shape}"
+    for key in ("generation_lengths", "unpadded_sequence_lengths", "truncated", "weight_version"):
         assert tuple(output[key].shape) == (batch,), f"{key} is {tuple(output[key].shape)}"
     p = torch.tensor([len(r) for r in prompts], dtype=torch.int64)
     expected_total = p + output["generation_lengths"]
@@ -68,17 +72,24 @@ def check_prompt_kept(prompts: Sequence[Sequence[int]], output: Mapping[str, Any
 def check_padding(
     prompts: Sequence[Sequence[int]], output: Mapping[str, Any], pad_token_id: int
 ) -> None:
-    """``pad_token_id`` after each row's end; logprobs 0.0 everywhere but generated positions."""
-    ids, logprobs = output["output_ids"], output["logprobs"]
+    """``pad_token_id`` after each row's end; logprobs and weight versions 0 everywhere but
+    generated positions, where versions start at the row's ``weight_version`` and never fall."""
+    ids, logprobs, versions = output["output_ids"], output["logprobs"], output["weight_versions"]
     for i, prompt in enumerate(prompts):
         end = int(output["unpadded_sequence_lengths"][i])
         tail = ids[i, end:]
         assert bool((tail == pad_token_id).all()), (
             f"row {i} holds {tail.tolist()} after its end, not pad_token_id {pad_token_id}"
         )
-        outside = torch.cat([logprobs[i, : len(prompt)], logprobs[i, end:]])
-        assert bool((outside == 0).all()), (
-            f"row {i} has non-zero logprobs outside its generated positions: {outside.tolist()}"
+        for name, values in (("logprobs", logprobs), ("weight_versions", versions)):
+            outside = torch.cat([values[i, : len(prompt)], values[i, end:]])
+            assert bool((outside == 0).all()), (
+                f"row {i} has non-zero {name} outside its generated positions: {outside.tolist()}"
+            )
+        produced = versions[i, len(prompt) : end].tolist()
+        started = int(output["weight_version"][i])
+        assert not produced or (produced[0] == started and produced == sorted(produced)), (
+            f"row {i} started on weight version {started} but its tokens carry {produced}"
         )
 
 

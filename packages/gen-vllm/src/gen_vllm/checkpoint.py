@@ -7,14 +7,12 @@ checkpoint names, shapes and dtypes an update may carry. The checkpoint's safete
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from gen_interface import WeightUpdateError
-from gen_interface.weights import TensorSpecs, check_weights_match
 
-__all__ = ["check_update_is_complete", "checkpoint_specs", "find_checkpoint_dir"]
+__all__ = ["checkpoint_specs", "find_checkpoint_dir"]
 
 
 def find_checkpoint_dir(model: str) -> Path:
@@ -71,27 +69,3 @@ def checkpoint_specs(
             specs["lm_head.weight"] = embed
             optional.add("lm_head.weight")
     return specs, optional
-
-
-def check_update_is_complete(
-    incoming: TensorSpecs, specs: Mapping[str, tuple[list[int], str]], optional: set[str]
-) -> None:
-    """Refuse an update that does not match the checkpoint or leaves a tensor out.
-
-    vLLM reloads whole (fused) layers, so an update must carry every checkpoint tensor: a
-    partial one would leave layers half-loaded.
-
-    Raises:
-        WeightUpdateError: naming the mismatched, unknown or missing tensors.
-    """
-    model = {name: (torch.Size(shape), getattr(torch, dt)) for name, (shape, dt) in specs.items()}
-    check_weights_match(incoming, model)
-    missing = sorted(set(specs) - optional - set(incoming))
-    if missing:
-        listed = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
-        raise WeightUpdateError(
-            f"weight update refused, nothing was written: vLLM reloads whole layers, so an update "
-            f"must carry every checkpoint tensor; missing {listed}"
-        )

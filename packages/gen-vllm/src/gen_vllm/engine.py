@@ -29,7 +29,8 @@ __all__ = [
     "VllmEngine",
 ]
 
-EXTENSION_CLASS = "gen_vllm.extension.UpdatableVllmInternalWorker"
+#: vLLM imports this in every worker; importing ``gen_vllm.transfer`` registers its engine.
+EXTENSION_CLASS = "gen_vllm.transfer.UpdatableVllmInternalWorker"
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
         ),
         "skip_tokenizer_init": not wants_tokenizer(config),
         "enable_sleep_mode": sleeps_on_finish(config, use_gpus=use_gpus),
+        # Weight updates go through vLLM's transaction with this project's engine (transfer.py).
+        "weight_transfer_config": {"backend": "gen"},
     }
     if cfg["max_model_len"] is not None:
         args["max_model_len"] = cfg["max_model_len"]

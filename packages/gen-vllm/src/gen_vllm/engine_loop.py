@@ -222,7 +222,7 @@ class EngineLoop:
         if step.finish_reason is not None:
             out.finish_reason = _reason(step.finish_reason)
             del self._pending[step.request_id]
-            _resolve(pending.future, out)
+            self._finish(pending)
 
     def _abort(self, request_ids: list[str], *, report: bool) -> None:
         live = [i for i in request_ids if i in self._pending]
@@ -233,7 +233,12 @@ class EngineLoop:
             pending = self._pending.pop(request_id)
             if report:
                 pending.output.finish_reason = "abort"
-                _resolve(pending.future, pending.output)
+                self._finish(pending)
+
+    def _finish(self, pending: _Pending) -> None:
+        out = pending.output
+        out.weight_version = out.weight_versions[0] if out.weight_versions else self._version
+        _resolve(pending.future, out)
 
     def _fail_all(self, reason: str) -> None:
         pending, self._pending = self._pending, {}

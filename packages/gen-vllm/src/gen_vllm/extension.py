@@ -1,42 +1,42 @@
 """``UpdatableVllmInternalWorker``: the vLLM worker extension (``worker_extension_cls``).
 
 vLLM mixes this class into each of its workers; its methods run there, reached through
-``LLM.collective_rpc``. Arguments cross that boundary as plain data (handles are dicts of str,
-int, bytes and lists), so they pass msgspec as well as pickle.
+``collective_rpc``. Weights themselves arrive through vLLM's own weight-update transaction
+(``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) and this project's
+transfer engine (``transfer.py``, whose module vLLM imports as the extension's). This class adds
+what the driver needs around it: which device a worker is on, what an update must match, and a
+report proving that every worker took the same update.
+
+This module imports no vLLM, so test fakes can run it without the engine.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import torch
-from gen_interface.weights import (
-    describe_weight_handles,
-    handles_for_device,
-    read_shared_weights,
-    weights_checksum,
-)
+from gen_interface.weights import combine_checksums, weights_checksum
 
-from gen_vllm.checkpoint import check_update_is_complete, checkpoint_specs
+from gen_vllm.checkpoint import checkpoint_specs
 from gen_vllm.messages import UpdateReport
 
 __all__ = ["UpdatableVllmInternalWorker"]
 
 
 class UpdatableVllmInternalWorker:
-    """Device-id reporting and in-place weight updates inside a vLLM worker.
+    """Device-id reporting, checkpoint specs and update reports inside a vLLM worker.
 
     Attributes used from the vLLM worker it extends: ``device``, ``model_runner``,
-    ``model_config``.
+    ``model_config``, ``rank``, ``weight_transfer_engine`` (this project's, with ``received``).
     """
 
     device: torch.device
     model_runner: Any
     model_config: Any
     rank: int
+    weight_transfer_engine: Any
 
     def report_device_id(self) -> str:
         """The GPU's UUID on CUDA (stable across processes); ``cpu:<host>:<pid>`` on CPU."""
@@ -54,39 +54,26 @@ class UpdatableVllmInternalWorker:
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
 
-    def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> UpdateReport:
-        """Check, read and load the weights ``handles`` describe, through vLLM's in-place reload.
+    def weight_update_report(self) -> UpdateReport:
+        """After ``finish_weight_update``: this rank's account of the update.
 
-        Names, shapes and dtypes are checked against the checkpoint before anything is written.
-        The reload re-runs vLLM's weight processing (fusing, CPU packing).
-
-        Returns:
-            This rank's ``UpdateReport``: the checksum of the tensors read (the same on every
-            rank) and of its own parameters after loading (its shard under tensor parallelism),
-            so the caller can check that every worker took the same update.
-
-        Raises:
-            WeightUpdateError: the update does not match the checkpoint, or a bucket is gone or
-                changed; nothing was written.
+        ``received_checksum`` combines the checksums of the buckets this rank read (each
+        verified against its bytes on arrival), the same on every rank that read the same kind
+        of copy; ``model_checksum`` covers this rank's parameters as loaded (its own shard under
+        tensor parallelism), so rank r of every replica must agree.
         """
-        start = time.perf_counter()
-        gpu = self.report_device_id() if self.device.type == "cuda" else None
-        handles = handles_for_device(handles, gpu)  # this GPU's copy, else host memory
-        specs, optional = self.checkpoint_specs()
-        check_update_is_complete(describe_weight_handles(handles), specs, set(optional))
-        tensors = read_shared_weights(handles)
-        received = weights_checksum(tensors)
-        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        received = getattr(self.weight_transfer_engine, "received", [])
         return UpdateReport(
             rank=int(self.rank),
             device_id=self.report_device_id(),
-            received_checksum=received,
+            received_checksum=combine_checksums(received),
             model_checksum=self.model_checksum(),
-            seconds=time.perf_counter() - start,
         )
 
     def model_checksum(self) -> int:
-        """Checksum of the model's non-empty parameters and buffers as loaded (after packing)."""
+        """Checksum of the model's non-empty parameters and buffers as loaded (after packing;
+        CPU linear layers keep their packed weights outside any parameter, which the driver's
+        probe covers)."""
         model = self.model_runner.get_model()
         named = [
             (name, tensor)

@@ -17,6 +17,7 @@ from gen_interface import (
     BatchedDataDict,
     GenerationConfig,
     GenerationDatumSpec,
+    GenerationError,
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
@@ -34,16 +35,24 @@ from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
 from gen_interface.outputs import build_row_output
 from gen_interface.sampling import is_greedy, row_seeds_for
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
-from gen_interface.weights import describe_weight_handles, release_shared_weights
+from gen_interface.weights import (
+    WeightUpdates,
+    WeightUpdateSteps,
+    check_update_is_complete,
+    check_weights_match,
+    release_shared_weights,
+)
+from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
+from gen_interface.weights.handles import WeightHandles, describe_slots
 
 from gen_vllm.background_loop import BackgroundLoop
-from gen_vllm.checkpoint import check_update_is_complete
 from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VllmConfig, complete_vllm_config
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for
 from gen_vllm.messages import RowOutput, RowRequest
 from gen_vllm.params import row_sampling_params
+from gen_vllm.receive import LoadInfo
 from gen_vllm.refit import MixedWeightsError, verify_update
 from gen_vllm.replicas import ReplicaSet, Timeouts, WorkerLostError
 from gen_vllm.router import RowRouter
@@ -118,13 +127,26 @@ class VllmGeneration(GenerationInterface):
         first = self.replicas.infos[0]
         self.vocab_size: int = first["vocab_size"]
         self.context_limit: int = first["max_model_len"]
-        self._checkpoint_specs = first["checkpoint_specs"]
-        self._optional_weights = set(first["optional_weights"])
+        checkpoint = {
+            name: (torch.Size(shape), getattr(torch, dtype))
+            for name, (shape, dtype) in first["checkpoint_specs"].items()
+        }
         self._loop = BackgroundLoop()
         self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
         self._calls = itertools.count()
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
             "VllmGeneration", wake=self._wake, release=self._release, close=self._close
+        )
+        self._weights = WeightUpdates(
+            self._lifecycle,
+            checkpoint,
+            first["optional_weights"],
+            WeightUpdateSteps(
+                begin=self._begin_update,
+                load=lambda handles: self._load(LoadInfo(handles=cast(WeightHandles, handles))),
+                commit=self._commit_update,
+                abort=self._abort_update,
+            ),
         )
 
     @classmethod
@@ -189,7 +211,9 @@ class VllmGeneration(GenerationInterface):
         return BackendCapabilities(
             sleep=self._sleeps,
             async_generation=True,
-            weight_transports=frozenset({"shm", "cuda_ipc"} if on_gpu else {"shm"}),
+            weight_transports=frozenset(
+                {"shm", "cuda_ipc", "collective"} if on_gpu else {"shm", "collective"}
+            ),
             devices=("cuda",) if on_gpu else ("cpu",),
             score=True,
             stop_strings=self._has_tokenizer,
@@ -342,44 +366,112 @@ class VllmGeneration(GenerationInterface):
             raise
 
     # ---- weights -----------------------------------------------------------------------------
+    #
+    # A weight update is vLLM's own transaction in every worker (start_weight_update, loads,
+    # finish_weight_update) run by this project's transfer engine; WeightUpdates holds the rules
+    # (checks before writing, completeness, version) and calls the steps below.
+
+    @property
+    def weight_version(self) -> int:
+        return self._weights.version
 
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
     ) -> None:
-        check_update_is_complete(state_dict_info, self._checkpoint_specs, self._optional_weights)
+        check_weights_match(state_dict_info, self._weights.model)
+        check_update_is_complete(state_dict_info, self._weights.model, self._weights.optional)
+
+    def start_weight_update(self, version: int | None = None) -> int:
+        return self._weights.start(version)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
-        """Load new weights into every replica and check that all of them took the same update.
+        """Load shared buckets into every replica: one load of the open transaction, or a
+        complete update of its own (see ``GenerationInterface``).
 
         Raises:
-            WeightUpdateError: the update does not match the checkpoint or every replica refused
-                it (nothing written, old weights in force); or the replicas disagree afterwards,
-                and the backend is then broken (shut it down and build a new one).
+            WeightUpdateError: the update does not fit the checkpoint or is incomplete (nothing
+                written); a load failed (generation then waits for a complete update); or the
+                replicas disagree afterwards (the backend is then broken).
         """
         try:
-            check_update_is_complete(
-                describe_weight_handles(handles), self._checkpoint_specs, self._optional_weights
-            )
-            with self._lifecycle.updating_weights(), self._failures_break_the_backend():
-                start = time.perf_counter()
-                try:
-                    reports = verify_update(self.replicas.update_weights(dict(handles)))
-                    if self.num_replicas > 1:
-                        self._check_replicas_agree()
-                except MixedWeightsError as exc:
-                    self._lifecycle.mark_broken(str(exc))
-                    raise WeightUpdateError(
-                        f"{exc}; this VllmGeneration is now broken: shut it down and build a new "
-                        "one"
-                    ) from exc
-                self._lifecycle.weights_arrived()
-                logger.info(
-                    "updated weights on %d workers in %.2f s",
-                    len(reports),
-                    time.perf_counter() - start,
-                )
+            self._weights.load(handles)
         finally:
             release_shared_weights(handles)
+
+    def update_weights_from_collective(self, bucket: Mapping[str, Any]) -> None:
+        specs = describe_slots(bucket["tensors"])
+        self._weights.load_described(
+            specs, lambda: self._load(LoadInfo(broadcast=cast(BroadcastBucket, bucket)))
+        )
+
+    def commit_weight_update(self) -> int:
+        return self._weights.commit()
+
+    def abort_weight_update(self) -> None:
+        self._weights.abort()
+
+    def collective_ranks(self) -> int:
+        return sum(len(info["device_ids"]) for info in self.replicas.infos)
+
+    def init_collective(self, endpoint: Mapping[str, Any]) -> None:
+        with self._failures_break_the_backend():
+            tp = self.config["vllm_cfg"]["tensor_parallel_size"]
+            self.replicas.init_collective(cast(CollectiveEndpoint, dict(endpoint)), tp)
+
+    def _begin_update(self, version: int) -> None:
+        failed = _errors(self.replicas.start_weight_update())
+        if failed:
+            self._break_if_lost(failed)
+            self._close_update_on_workers()
+            raise failed[0]
+
+    def _load(self, info: LoadInfo) -> None:
+        failed = _errors(self.replicas.load_weights(info))
+        if failed:
+            self._break_if_lost(failed)
+            raise WeightUpdateError(
+                f"a weight load failed on {len(failed)} replica(s): {failed[0]}"
+            )
+
+    def _break_if_lost(self, failed: list[GenerationError]) -> None:
+        """A worker that died or stopped answering mid-update leaves its engine unknown."""
+        lost = [e for e in failed if isinstance(e, WorkerLostError)]
+        if lost:
+            self._lifecycle.mark_broken(str(lost[0]))
+            raise WeightUpdateError(
+                f"{lost[0]}; this VllmGeneration is now broken: shut it down and build a new one"
+            ) from lost[0]
+
+    def _commit_update(self, version: int) -> None:
+        start = time.perf_counter()
+        with self._failures_break_the_backend():
+            try:
+                reports = verify_update(self.replicas.finish_weight_update(version))
+                if self.num_replicas > 1:
+                    self._check_replicas_agree()
+            except MixedWeightsError as exc:
+                self._lifecycle.mark_broken(str(exc))
+                raise WeightUpdateError(
+                    f"{exc}; this VllmGeneration is now broken: shut it down and build a new one"
+                ) from exc
+        logger.info(
+            "committed weight version %d on %d workers in %.2f s",
+            version,
+            len(reports),
+            time.perf_counter() - start,
+        )
+
+    def _abort_update(self, written: bool) -> None:
+        self._close_update_on_workers()
+
+    def _close_update_on_workers(self) -> None:
+        """Finish the workers' transactions without a new version (an abort)."""
+        if self._lifecycle.state == "broken":
+            return  # nothing to save; shutdown frees the workers
+        failed = _errors(self.replicas.finish_weight_update(None))
+        if failed:
+            logger.warning("closing an aborted weight update failed: %s", failed[0])
+            self._break_if_lost(failed)
 
     def _check_replicas_agree(self) -> None:
         probe = [t % self.vocab_size for t in _PROBE[: max(2, self.context_limit - 1)]]
@@ -391,5 +483,15 @@ class VllmGeneration(GenerationInterface):
             )
 
 
+def _errors(outcomes: list[Any]) -> list[GenerationError]:
+    return [o for o in outcomes if isinstance(o, GenerationError)]
+
+
 def _row_result(row: RowOutput) -> RowResult:
-    return RowResult(row.token_ids, row.logprobs, row.finish_reason == "length")
+    return RowResult(
+        row.token_ids,
+        row.logprobs,
+        row.finish_reason == "length",
+        weight_version=row.weight_version,
+        weight_versions=row.weight_versions,
+    )

@@ -47,6 +47,7 @@ class RowOutput:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
     weight_versions: list[int] = field(default_factory=list)
+    weight_version: int = 0  # the version the row started on
     prompt_logprobs: list[float] | None = None
 
 
@@ -69,6 +70,5 @@ class UpdateReport(TypedDict):
 
     rank: int
     device_id: str
-    received_checksum: int  # of the tensors read, as sent (the same on every rank)
+    received_checksum: int  # of the buckets read (the same on every rank reading one kind of copy)
     model_checksum: int  # of this rank's parameters after loading (its own shard)
-    seconds: float

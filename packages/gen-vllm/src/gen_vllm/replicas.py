@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gen_interface import BackendUnavailableError, GenerationError
+from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.cluster import Bundle, RayVirtualCluster
 from gen_vllm.engine import EngineFactory
 from gen_vllm.messages import RowRequest, UpdateReport, WorkerInfo
+from gen_vllm.receive import LoadInfo
 from gen_vllm.worker import VllmGenerationWorker
 
 __all__ = ["ReplicaSet", "Timeouts", "WorkerLostError", "translate_ray_error"]
@@ -142,23 +144,46 @@ class ReplicaSet:
             "reset_prefix_cache",
         )
 
-    def update_weights(self, handles: dict[str, Any]) -> list[list[UpdateReport] | GenerationError]:
-        """Load ``handles`` on every replica; each replica's rank reports, or its error.
+    def start_weight_update(self) -> list[GenerationError | None]:
+        """Open vLLM's weight-update transaction on every replica; each one's outcome."""
+        refs = [a.start_weight_update.remote() for a in self.actors]
+        return self._outcomes(refs, self.timeouts.update_s, "starting a weight update")
 
-        Errors are returned rather than raised so the caller can tell a refusal on every
-        replica (nothing written) from replicas that disagree (mixed weights).
-        """
+    def load_weights(self, info: LoadInfo) -> list[GenerationError | None]:
+        """One load on every replica; each one's outcome (errors returned, not raised, so the
+        caller can tell a load refused everywhere from replicas that now differ)."""
+        refs = [a.load_weights.remote(info) for a in self.actors]
+        return self._outcomes(refs, self.timeouts.update_s, "a weight load")
+
+    def finish_weight_update(
+        self, version: int | None
+    ) -> list[list[UpdateReport] | GenerationError]:
+        """Close the transaction on every replica; each one's rank reports, or its error."""
+        refs = [a.finish_weight_update.remote(version) for a in self.actors]
+        return self._outcomes(refs, self.timeouts.update_s, "the end of a weight update")
+
+    def init_collective(self, endpoint: CollectiveEndpoint, ranks_per_replica: int) -> None:
+        """Every worker joins the weight group; replica i's ranks start at
+        ``endpoint["rank_offset"] + i * ranks_per_replica``."""
+        offset = endpoint["rank_offset"]
+        refs = [
+            a.init_collective.remote(endpoint, offset + i * ranks_per_replica)
+            for i, a in enumerate(self.actors)
+        ]
+        self._wait(refs, endpoint["timeout_s"], "joining the weight group")
+
+    def _outcomes(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+        """Each ref's value, or the ``GenerationError`` it ended with (a ``WorkerLostError``
+        for one still running after ``timeout_s``)."""
         import ray
 
-        refs = [a.update_weights_from_ipc_handles.remote(handles) for a in self.actors]
-        timeout_s = self.timeouts.update_s
         _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        outcomes: list[list[UpdateReport] | GenerationError] = []
+        outcomes: list[Any] = []
         for ref in refs:
             if ref in late:
                 outcomes.append(
                     WorkerLostError(
-                        f"a vLLM worker did not finish a weight update within {timeout_s:g} s "
+                        f"a vLLM worker did not finish {what} within {timeout_s:g} s "
                         "(vllm_cfg.update_timeout_s)"
                     )
                 )
@@ -166,7 +191,7 @@ class ReplicaSet:
             try:
                 outcomes.append(ray.get(ref))
             except Exception as exc:
-                outcomes.append(translate_ray_error(exc, "a weight update"))
+                outcomes.append(translate_ray_error(exc, what))
         return outcomes
 
     def shutdown(self) -> None:

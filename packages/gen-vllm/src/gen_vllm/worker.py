@@ -16,9 +16,12 @@ import time
 import uuid
 from typing import Any
 
+from gen_interface.weights.collective import CollectiveEndpoint
+
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
 from gen_vllm.messages import RowOutput, RowRequest, UpdateReport, WorkerInfo
+from gen_vllm.receive import LoadInfo
 
 __all__ = ["VllmGenerationWorker"]
 
@@ -96,18 +99,51 @@ class VllmGenerationWorker:
             (out.prompt_logprobs or [])[start - 1 :] for out, start in zip(outputs, prompt_lengths)
         ]
 
-    async def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> list[UpdateReport]:
-        """Load new weights in every rank of this engine, then drop KV computed with the old."""
+    # ---- weight updates: vLLM's transaction, with this project's transfer engine -------------
 
-        def load() -> list[UpdateReport]:
+    async def start_weight_update(self) -> None:
+        """Stop stepping (running rows keep their place) and open vLLM's transaction."""
+
+        def start() -> None:
+            self._loop.pause()
+            try:
+                self._loop.engine.collective_rpc("start_weight_update")
+            except BaseException:
+                self._loop.resume()
+                raise
+
+        await self._loop.call(start)
+
+    async def load_weights(self, info: LoadInfo) -> None:
+        """One load (shared buckets or a broadcast bucket) into every rank of this engine."""
+        await self._loop.call(lambda: self._loop.engine.collective_rpc("update_weights", (info,)))
+
+    async def finish_weight_update(self, version: int | None) -> list[UpdateReport]:
+        """Close vLLM's transaction, label the weights ``version`` (None: an abort, no new
+        label), drop KV computed with the old weights, resume; each rank's report."""
+
+        def finish() -> list[UpdateReport]:
             engine = self._loop.engine
-            reports: list[UpdateReport] = engine.collective_rpc(
-                "update_weights_from_ipc_handles", (handles,)
-            )
-            engine.reset_prefix_cache()
+            try:
+                engine.collective_rpc("finish_weight_update")
+                reports: list[UpdateReport] = engine.collective_rpc("weight_update_report")
+                if version is not None:
+                    self._loop.set_version(version)
+                engine.reset_prefix_cache()
+            finally:
+                self._loop.resume()
             return reports
 
-        return await self._loop.call(load)
+        return await self._loop.call(finish)
+
+    async def init_collective(self, endpoint: CollectiveEndpoint, rank: int) -> None:
+        """Join the trainer's weight group: this engine's tensor-parallel rank r as ``rank + r``."""
+        init = {"init_info": {"endpoint": dict(endpoint), "rank": rank}}
+        await self._loop.call(
+            lambda: self._loop.engine.collective_rpc(
+                "init_weight_transfer_engine", (init["init_info"],)
+            )
+        )
 
     async def reset_prefix_cache(self) -> bool:
         return await self._loop.call(self._loop.engine.reset_prefix_cache)

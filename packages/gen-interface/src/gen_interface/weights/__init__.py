@@ -1,21 +1,32 @@
 """Weight sharing between a trainer (producer) and generation backends (consumers).
 
-Producer::
+Trainer, streamed through a few reusable buckets as one transaction (the usual way)::
+
+    from gen_interface.weights import refit
+    version = refit(generator, model.state_dict())
+
+Trainer, one shot (all buckets at once; one complete transaction)::
 
     with share_weights(model.state_dict()) as shared:
         generator.update_weights_from_ipc_handles(shared.handles)
 
-Consumer (inside a backend)::
-
-    tensors = read_shared_weights(handles, expected=model_specs)   # checks, then maps
-    ...load tensors...
-    release_shared_weights(handles)                                # once every worker has read
+Consumer (inside a backend): ``WeightUpdates`` runs the transaction;
+``read_shared_weights`` maps and verifies the buckets of one load.
 """
 
-from gen_interface.weights.checksum import bytes_checksum, weights_checksum
+from gen_interface.weights.checksum import bytes_checksum, combine_checksums, weights_checksum
+from gen_interface.weights.collective import (
+    BroadcastBucket,
+    CollectiveEndpoint,
+    WeightBroadcaster,
+    join_weight_group,
+    receive_broadcast,
+)
 from gen_interface.weights.consumer import (
     TensorSpecs,
+    check_update_is_complete,
     check_weights_match,
+    handles_checksum,
     handles_for_device,
     merge_weight_handles,
     read_shared_weights,
@@ -28,20 +39,37 @@ from gen_interface.weights.handles import (
     describe_weight_handles,
 )
 from gen_interface.weights.producer import DEFAULT_BUCKET_BYTES, SharedWeights, share_weights
+from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, refit
+from gen_interface.weights.transaction import WeightTransaction
+from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_STREAM_BUCKET_BYTES",
+    "BroadcastBucket",
+    "BucketRing",
+    "CollectiveEndpoint",
     "SharedWeights",
     "TensorSlot",
     "TensorSpecs",
+    "WeightBroadcaster",
     "WeightBucket",
     "WeightHandles",
+    "WeightTransaction",
+    "WeightUpdateSteps",
+    "WeightUpdates",
     "bytes_checksum",
+    "check_update_is_complete",
     "check_weights_match",
+    "combine_checksums",
     "describe_weight_handles",
+    "handles_checksum",
     "handles_for_device",
+    "join_weight_group",
     "merge_weight_handles",
     "read_shared_weights",
+    "receive_broadcast",
+    "refit",
     "release_shared_weights",
     "share_weights",
     "weights_checksum",

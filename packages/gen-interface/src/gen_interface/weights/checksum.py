@@ -1,6 +1,8 @@
-"""A fast, order-sensitive checksum of tensor bytes, to prove a worker loaded what was sent.
+"""Checksums of tensor bytes at memory speed, to prove a worker loaded what was sent.
 
-Not cryptographic: it detects stale, partial or misplaced weights, at memory bandwidth.
+Not cryptographic: they detect stale, partial, torn or misplaced weights. One pass over the
+bytes: xxHash's XXH3 (64-bit) for host memory; for CUDA memory, a reduction on the device (the
+bytes never cross to the host).
 """
 
 from __future__ import annotations
@@ -9,45 +11,67 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["bytes_checksum", "weights_checksum"]
+__all__ = ["bytes_checksum", "combine_checksums", "weights_checksum"]
 
-_CHUNK_WORDS = 1 << 22
 _MASK63 = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
+# Words per lane group of the CUDA reduction: word i adds into lane i % _LANES.
+_LANES = 64
 
 
 def bytes_checksum(data: torch.Tensor) -> int:
-    """Checksum of a tensor's bytes (any dtype, any device, contiguous or not).
+    """Checksum of a tensor's bytes (any dtype, shape or device), in one pass.
 
-    The bytes are read as little-endian 64-bit words (zero-padded); the result combines their
-    wrapping sum with a position-weighted sum, so reordered words change it.
+    Host tensors: XXH3-64 of the bytes in memory order. CUDA tensors: the bytes as 64-bit
+    words summed into 64 lanes by position (word i into lane i % 64) on the device, the lanes
+    weighted by distinct odd multipliers; sensitive to changed bytes and to words moved to
+    another lane. The two kinds differ: compare checksums of the same device type.
     """
-    raw = data.detach().contiguous().reshape(-1).view(torch.uint8)
-    pad = (-raw.numel()) % 8
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    words = raw.view(torch.int64)
-    total = 0
-    weighted = 0
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start : start + _CHUNK_WORDS]
-        positions = torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device)
-        total += int(chunk.sum())
-        weighted += int((chunk * positions).sum())
-    return (total * 0x9E3779B1 + weighted + words.numel()) & _MASK63
+    raw = data.detach()
+    if not raw.is_contiguous():
+        raw = raw.contiguous()
+    raw = raw.reshape(-1).view(torch.uint8)
+    if raw.device.type == "cuda":
+        return _device_checksum(raw)
+    import xxhash
+
+    if raw.device.type != "cpu":
+        raw = raw.cpu()
+    return int(xxhash.xxh3_64_intdigest(raw.numpy().data)) & _MASK63
+
+
+def combine_checksums(checksums: Iterable[int]) -> int:
+    """One checksum of an ordered sequence of checksums (e.g. a transaction's buckets)."""
+    combined = 0
+    for index, value in enumerate(checksums):
+        combined = _mix(combined ^ _mix(value + index * 0x9E3779B97F4A7C15))
+    return combined & _MASK63
 
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Checksum of named tensors, independent of iteration order, sensitive to names and bytes."""
+    import xxhash
+
     combined = 0
     for name, tensor in named_tensors:
-        name_words = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
-        combined += _mix(bytes_checksum(name_words) ^ (bytes_checksum(tensor) * 0x9E3779B97F4A7C15))
+        name_hash = xxhash.xxh3_64_intdigest(name.encode())
+        combined += _mix(name_hash ^ (bytes_checksum(tensor) * 0x9E3779B97F4A7C15))
     return combined & _MASK63
 
 
+def _device_checksum(raw: torch.Tensor) -> int:
+    pad = (-raw.numel()) % (8 * _LANES)
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    lanes = raw.view(torch.int64).view(-1, _LANES).sum(dim=0).tolist()  # wraps modulo 2^64
+    total = raw.numel()
+    for lane, value in enumerate(lanes):
+        total = _mix(total ^ ((value & _MASK64) * (2 * lane + 0x9E3779B1)))
+    return total & _MASK63
+
+
 def _mix(x: int) -> int:
-    """splitmix64's finaliser: pairs each name with its bytes inseparably."""
+    """splitmix64's finaliser."""
     x &= _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from gen_interface.errors import WeightUpdateError
-from gen_interface.weights.checksum import bytes_checksum
+from gen_interface.weights.checksum import bytes_checksum, combine_checksums
 from gen_interface.weights.cuda_ipc import import_cuda_bucket
 from gen_interface.weights.handles import (
     HANDLES_FORMAT,
@@ -17,15 +17,18 @@ from gen_interface.weights.handles import (
     WeightHandles,
     bucket_place,
     describe_weight_handles,
-    dtype_from_name,
     dtype_name,
 )
+from gen_interface.weights.layout import unpack
 from gen_interface.weights.shm import map_segment, unlink_segment
 
 __all__ = [
     "TensorSpecs",
+    "check_update_is_complete",
     "check_weights_match",
+    "handles_checksum",
     "handles_for_device",
+    "map_bucket",
     "merge_weight_handles",
     "read_shared_weights",
     "release_shared_weights",
@@ -37,10 +40,12 @@ _MAX_LISTED = 5
 
 
 def check_weights_match(incoming: TensorSpecs, model: TensorSpecs) -> None:
-    """Refuse an update that does not fit the model, before anything is written.
+    """Refuse tensors that do not fit the model, before anything is written.
 
-    Every incoming name must exist in the model with the same shape and dtype; the update may
-    carry a subset of the model's tensors.
+    Every incoming name must exist in the model with the same shape. Floating-point tensors may
+    come in another floating-point dtype (float32 master weights for a bfloat16 engine): they
+    are cast on write. Any other dtype difference is refused. Completeness is checked by
+    ``check_update_is_complete``.
 
     Raises:
         WeightUpdateError: listing the unknown names and the shape or dtype mismatches.
@@ -53,10 +58,42 @@ def check_weights_match(incoming: TensorSpecs, model: TensorSpecs) -> None:
         want_shape, want_dtype = model[name]
         if tuple(shape) != tuple(want_shape):
             problems.append(f"{name!r} has shape {list(shape)}, the model's is {list(want_shape)}")
-        if dtype != want_dtype:
+        if dtype != want_dtype and not (dtype.is_floating_point and want_dtype.is_floating_point):
             problems.append(
-                f"{name!r} is {dtype_name(dtype)}, the model's is {dtype_name(want_dtype)}"
+                f"{name!r} is {dtype_name(dtype)}, the model's is {dtype_name(want_dtype)} "
+                "(only floating-point weights are cast on the way)"
             )
+    _refuse(problems)
+
+
+def check_update_is_complete(
+    incoming: Iterable[str], model: TensorSpecs, optional: Collection[str] = ()
+) -> None:
+    """Refuse an update that leaves out a weight of the model.
+
+    The rule of every backend: an update carries every weight (each tied weight under one of
+    its names), so no layer is ever half old, half new. vLLM reloads whole fused layers, and a
+    trainer always holds the whole state dict.
+
+    Args:
+        incoming: the names the update carries.
+        model: the model's ``{name: (shape, dtype)}``.
+        optional: names the update may omit (e.g. ``lm_head.weight`` tied to the embeddings).
+
+    Raises:
+        WeightUpdateError: naming the missing weights.
+    """
+    missing = sorted(set(model) - set(optional) - set(incoming))
+    if missing:
+        listed = ", ".join(missing[:_MAX_LISTED])
+        more = len(missing) - _MAX_LISTED
+        raise WeightUpdateError(
+            "weight update refused, nothing was written: an update must carry every weight of "
+            f"the model; missing {listed}" + (f" and {more} more" if more > 0 else "")
+        )
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         more = len(problems) - _MAX_LISTED
         listed = "; ".join(problems[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
@@ -88,19 +125,28 @@ def read_shared_weights(
     if expected is not None:
         check_weights_match(specs, expected)
     out: list[tuple[str, torch.Tensor]] = []
-    for index, bucket in enumerate(handles["buckets"]):
-        data = _map_bucket(handles, bucket)
-        if verify and bytes_checksum(data) != bucket["checksum"]:
-            raise WeightUpdateError(
-                f"weight bucket {index} changed after it was shared (checksum mismatch): the "
-                "producer must not write to shared buckets until the update is consumed"
-            )
-        for slot in bucket["tensors"]:
-            view = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
-            out.append(
-                (slot["name"], view.view(dtype_from_name(slot["dtype"])).view(slot["shape"]))
-            )
+    reusable = not handles.get("release_after_read", True)
+    for bucket in handles["buckets"]:
+        data = map_bucket(handles, bucket, cache=reusable)
+        if verify:
+            verify_bucket(data, bucket)
+        out.extend(unpack(data, bucket["tensors"]))
     return out
+
+
+def verify_bucket(data: torch.Tensor, bucket: Mapping[str, Any]) -> None:
+    """Check a bucket's bytes against the checksum its producer recorded (one pass).
+
+    Raises:
+        WeightUpdateError: they differ: the bucket was written to after it was shared.
+    """
+    if bytes_checksum(data) != bucket["checksum"]:
+        raise WeightUpdateError(
+            f"a weight bucket ({bucket['nbytes']} bytes, first tensor "
+            f"{bucket['tensors'][0]['name'] if bucket['tensors'] else None!r}) changed after it "
+            "was shared (checksum mismatch): the producer must not write to a bucket until the "
+            "backend has loaded it"
+        )
 
 
 def handles_for_device(handles: Mapping[str, Any], device_uuid: str | None) -> dict[str, Any]:
@@ -158,16 +204,31 @@ def merge_weight_handles(parts: Sequence[Mapping[str, Any]]) -> WeightHandles:
                 )
             seen[place] = index
         buckets.extend(part["buckets"])
-    merged = WeightHandles(format=HANDLES_FORMAT, host=hosts.pop(), buckets=buckets)
+    merged = WeightHandles(
+        format=HANDLES_FORMAT,
+        host=hosts.pop(),
+        buckets=buckets,
+        release_after_read=all(part.get("release_after_read", True) for part in parts),
+    )
     describe_weight_handles(merged)
     return merged
+
+
+def handles_checksum(handles: Mapping[str, Any]) -> int:
+    """One checksum of everything the handles carry, from the checksums their producer recorded
+    (``read_shared_weights`` verifies the bytes against those): what a worker "received"."""
+    return combine_checksums(b["checksum"] for b in handles["buckets"])
 
 
 def release_shared_weights(handles: Mapping[str, Any]) -> int:
     """Unlink the shared-memory segments of ``handles`` (views already mapped stay valid).
 
-    Idempotent. CUDA buckets are freed by their producer. Returns the number of segments removed.
+    Idempotent. Does nothing for handles whose producer reuses its buckets
+    (``release_after_read`` false: a streaming refit's ring) or for CUDA buckets, which their
+    producer frees. Returns the number of segments removed.
     """
+    if not handles.get("release_after_read", True):
+        return 0
     removed = 0
     for bucket in handles.get("buckets", []):
         if bucket.get("transport") == "shm" and bucket.get("location"):
@@ -175,7 +236,18 @@ def release_shared_weights(handles: Mapping[str, Any]) -> int:
     return removed
 
 
-def _map_bucket(handles: Mapping[str, Any], bucket: Mapping[str, Any]) -> torch.Tensor:
+def map_bucket(
+    handles: Mapping[str, Any], bucket: Mapping[str, Any], *, cache: bool = False
+) -> torch.Tensor:
+    """The bucket's bytes as a uint8 tensor, mapped (shared memory) or opened (CUDA IPC).
+
+    Args:
+        cache: keep the shared-memory mapping for the next load of the same segment (a
+            streaming refit reuses its segments; mapping anew would fault in every page again).
+
+    Raises:
+        WeightUpdateError: the segment is gone or on another host, or CUDA is unavailable.
+    """
     if bucket["transport"] == "shm":
         here = socket.gethostname()
         if handles["host"] != here:
@@ -183,7 +255,7 @@ def _map_bucket(handles: Mapping[str, Any], bucket: Mapping[str, Any]) -> torch.
                 f"weights were shared in memory on host {handles['host']!r}, but this worker "
                 f"runs on {here!r}: shared memory only reaches processes on the same machine"
             )
-        return map_segment(bucket["location"], bucket["nbytes"])
+        return map_segment(bucket["location"], bucket["nbytes"], cache=cache)
     if bucket["transport"] == "cuda_ipc":
         return import_cuda_bucket(bucket["ipc_args"], bucket["device_uuid"])
     raise WeightUpdateError(f"unknown weight bucket transport {bucket['transport']!r}")

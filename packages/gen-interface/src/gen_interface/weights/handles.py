@@ -6,7 +6,7 @@ alike; tensors are rebuilt on the consumer side from the names, dtypes, shapes a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, TypedDict
 
 import torch
@@ -19,12 +19,13 @@ __all__ = [
     "WeightBucket",
     "WeightHandles",
     "bucket_place",
+    "describe_slots",
     "describe_weight_handles",
     "dtype_from_name",
     "dtype_name",
 ]
 
-HANDLES_FORMAT = 1
+HANDLES_FORMAT = 2
 
 BucketTransport = Literal["shm", "cuda_ipc"]
 
@@ -51,7 +52,7 @@ class WeightBucket(TypedDict):
     ipc_args: bytes  # cuda_ipc: pickled rebuild arguments; shm: b""
     device_uuid: str  # cuda_ipc: the GPU's UUID; shm: ""
     nbytes: int
-    checksum: int  # weights_checksum of the bucket's bytes, see checksum.py
+    checksum: int  # bytes_checksum of the bucket's bytes, see checksum.py
     tensors: list[TensorSlot]
 
 
@@ -61,6 +62,9 @@ class WeightHandles(TypedDict):
     format: int  # HANDLES_FORMAT
     host: str  # host name of the producer (shm segments are only reachable there)
     buckets: list[WeightBucket]
+    # True: the consumer unlinks the segments once read (share_weights); False: the producer
+    # reuses them for the next bucket and removes them itself (a streaming refit's ring).
+    release_after_read: bool
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -111,6 +115,43 @@ def bucket_place(bucket: Mapping[str, Any]) -> str:
     return str(bucket["device_uuid"]) if bucket["transport"] == "cuda_ipc" else "host"
 
 
+def describe_slots(
+    slots: Iterable[Mapping[str, Any]], nbytes: int | None = None
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``{name: (shape, dtype)}`` of one bucket's slots, checked for consistency.
+
+    Args:
+        slots: the bucket's ``TensorSlot`` entries.
+        nbytes: the bucket's size, when known: every slot must lie inside it.
+
+    Raises:
+        WeightUpdateError: a slot is malformed, names a tensor twice, has a byte count that does
+            not fit its dtype and shape, or lies outside the bucket.
+    """
+    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    try:
+        for slot in slots:
+            name = slot["name"]
+            if name in out:
+                raise WeightUpdateError(f"a weight bucket carries {name!r} twice")
+            dtype = dtype_from_name(slot["dtype"])
+            shape = torch.Size(slot["shape"])
+            if slot["nbytes"] != shape.numel() * dtype.itemsize:
+                raise WeightUpdateError(
+                    f"a weight bucket gives {name!r} {slot['nbytes']} bytes, but "
+                    f"{dtype_name(dtype)}{list(shape)} needs {shape.numel() * dtype.itemsize}"
+                )
+            end = slot["offset"] + slot["nbytes"]
+            if slot["offset"] < 0 or (nbytes is not None and end > nbytes):
+                raise WeightUpdateError(f"a weight bucket places {name!r} outside itself")
+            out[name] = (shape, dtype)
+    except (KeyError, TypeError) as exc:
+        raise WeightUpdateError(
+            f"a weight bucket is malformed: missing or bad field {exc}"
+        ) from exc
+    return out
+
+
 def describe_weight_handles(
     handles: Mapping[str, Any],
 ) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -133,22 +174,12 @@ def describe_weight_handles(
     try:
         for bucket in handles["buckets"]:
             out = places.setdefault(bucket_place(bucket), {})
-            for slot in bucket["tensors"]:
-                name = slot["name"]
+            for name, spec in describe_slots(bucket["tensors"], bucket["nbytes"]).items():
                 if name in out:
                     raise WeightUpdateError(
                         f"weight handles carry {name!r} twice in {bucket_place(bucket)}"
                     )
-                dtype = dtype_from_name(slot["dtype"])
-                shape = torch.Size(slot["shape"])
-                if slot["nbytes"] != shape.numel() * dtype.itemsize:
-                    raise WeightUpdateError(
-                        f"weight handles give {name!r} {slot['nbytes']} bytes, but "
-                        f"{dtype_name(dtype)}{list(shape)} needs {shape.numel() * dtype.itemsize}"
-                    )
-                if slot["offset"] < 0 or slot["offset"] + slot["nbytes"] > bucket["nbytes"]:
-                    raise WeightUpdateError(f"weight handles place {name!r} outside its bucket")
-                out[name] = (shape, dtype)
+                out[name] = spec
     except (KeyError, TypeError) as exc:
         raise WeightUpdateError(
             f"weight handles are malformed: missing or bad field {exc}"

@@ -10,6 +10,7 @@ import errno
 import os
 import tempfile
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import cast
 
@@ -20,6 +21,10 @@ from gen_interface.errors import WeightUpdateError
 __all__ = ["create_segment", "map_segment", "segment_dir", "unlink_segment"]
 
 SEGMENT_PREFIX = "gen_interface-"
+
+# Mappings kept by map_segment(cache=True): path -> ((inode, size), mapping), oldest first.
+_MAPPINGS: OrderedDict[str, tuple[tuple[int, int], torch.Tensor]] = OrderedDict()
+_CACHED_MAPPINGS = 8
 
 
 def segment_dir() -> Path:
@@ -58,23 +63,42 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
     return path, map_segment(path, nbytes)
 
 
-def map_segment(path: str, nbytes: int) -> torch.Tensor:
+def map_segment(path: str, nbytes: int, *, cache: bool = False) -> torch.Tensor:
     """Map an existing segment as a uint8 tensor ``[nbytes]`` (shared, no copy).
+
+    Args:
+        cache: keep the mapping (the last few) and hand it out again while the segment is the
+            same file of the same size: reused segments are then not faulted in anew.
 
     Raises:
         WeightUpdateError: the segment does not exist or is smaller than ``nbytes``.
     """
     try:
-        actual = os.stat(path).st_size
+        stat = os.stat(path)
     except FileNotFoundError:
+        _MAPPINGS.pop(path, None)
         raise WeightUpdateError(
             f"shared-memory segment {path} does not exist: it was already consumed or released, "
             "or it was shared on another machine"
         ) from None
-    if actual < max(nbytes, 1):
-        raise WeightUpdateError(f"shared-memory segment {path} holds {actual} bytes, not {nbytes}")
-    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=max(nbytes, 1))
-    return torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))[:nbytes]
+    if stat.st_size < max(nbytes, 1):
+        raise WeightUpdateError(
+            f"shared-memory segment {path} holds {stat.st_size} bytes, not {nbytes}"
+        )
+    identity = (stat.st_ino, stat.st_size)
+    cached = _MAPPINGS.get(path)
+    if cached is not None and cached[0] == identity:
+        _MAPPINGS.move_to_end(path)
+        return cached[1][:nbytes]
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=stat.st_size)
+    mapped = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+    if cache:
+        for stale in [p for p in _MAPPINGS if not os.path.exists(p)]:
+            del _MAPPINGS[stale]  # its producer removed it: let its memory go
+        _MAPPINGS[path] = (identity, mapped)
+        while len(_MAPPINGS) > _CACHED_MAPPINGS:
+            _MAPPINGS.popitem(last=False)
+    return mapped[:nbytes]
 
 
 def unlink_segment(path: str) -> bool:

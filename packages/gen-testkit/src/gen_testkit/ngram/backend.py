@@ -32,7 +32,13 @@ from gen_interface.decoding import StopRules
 from gen_interface.lifecycle import Lifecycle
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for, select_next_tokens
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
-from gen_interface.weights import check_weights_match, read_shared_weights, release_shared_weights
+from gen_interface.weights import (
+    WeightUpdates,
+    WeightUpdateSteps,
+    check_weights_match,
+    read_shared_weights,
+    release_shared_weights,
+)
 
 from gen_testkit.ngram.model import NgramModel
 
@@ -67,6 +73,9 @@ class NgramGeneration(GenerationInterface):
         self.context_limit = int(settings["context_limit"])
         self._lifecycle = Lifecycle("ngram backend")
         self._lock = threading.Lock()
+        self._weights = WeightUpdates(
+            self._lifecycle, self.model.specs(), (), WeightUpdateSteps(load=self._load)
+        )
 
     @property
     def capabilities(self) -> BackendCapabilities:
@@ -91,6 +100,7 @@ class NgramGeneration(GenerationInterface):
                 "stop_strings need a tokenizer and the ngram backend has none; use stop_token_ids"
             )
         with self._lifecycle.generating(), self._lock:
+            version = self._weights.version
             temperature, top_k, top_p = sampling_settings_of(self.config)
             greedy = is_greedy(temperature, greedy)
             rules = StopRules.for_call(self.config, prompts, context_limit=self.context_limit)
@@ -122,7 +132,10 @@ class NgramGeneration(GenerationInterface):
                     else:
                         truncated[i] = reason == "length"
                 active = still
-        rows = [RowResult(g, lp, t) for g, lp, t in zip(generated, logprobs, truncated)]
+        rows = [
+            RowResult(g, lp, t, weight_version=version)
+            for g, lp, t in zip(generated, logprobs, truncated)
+        ]
         return build_generation_output(prompts, rows, self.config["pad_token_id"])
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
@@ -155,21 +168,34 @@ class NgramGeneration(GenerationInterface):
     ) -> None:
         check_weights_match(state_dict_info, self.model.specs())
 
+    @property
+    def weight_version(self) -> int:
+        return self._weights.version
+
+    def start_weight_update(self, version: int | None = None) -> int:
+        return self._weights.start(version)
+
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
-        tensors = read_shared_weights(handles, expected=self.model.specs())
         try:
-            self._write(dict(tensors))
+            self._weights.load(handles)
         finally:
             release_shared_weights(handles)
 
+    def commit_weight_update(self) -> int:
+        return self._weights.commit()
+
+    def abort_weight_update(self) -> None:
+        self._weights.abort()
+
     def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load weights from an in-process state dict (checked like an IPC update)."""
-        check_weights_match(
-            {n: (t.shape, t.dtype) for n, t in state_dict.items()}, self.model.specs()
-        )
-        self._write(state_dict)
+        """Load every weight from an in-process state dict (checked like an IPC update)."""
+        specs = {n: (t.shape, t.dtype) for n, t in state_dict.items()}
+        self._weights.load_described(specs, lambda: self._write(state_dict))
+
+    def _load(self, handles: Mapping[str, Any]) -> None:
+        self._write(dict(read_shared_weights(handles)))
 
     def _write(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        with self._lifecycle.updating_weights(), self._lock:
+        with self._lock:
             for name, tensor in tensors.items():
-                self.model.weights[name].copy_(tensor)
+                self.model.weights[name].copy_(tensor)  # casts floating-point dtypes

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from gen_interface import BatchedDataDict, WeightUpdateError
-from gen_interface.weights import share_weights
+from gen_interface import BatchedDataDict, GenerationError, WeightUpdateError
+from gen_interface.weights import refit, share_weights
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -68,13 +68,16 @@ class CapabilityProperties(SuiteBase):
         backend, batch = subject.backend, self._fixed_batch(subject)
         before = backend.generate(batch, greedy=True)
         backend.prepare_refit_info({k: (v.shape, v.dtype) for k, v in original.items()})
+        version = backend.weight_version
         with share_weights(_perturbed(original)) as shared:
             backend.update_weights_from_ipc_handles(shared.handles)
             leftover = [
                 b["location"] for b in shared.handles["buckets"] if os.path.exists(b["location"])
             ]
         assert not leftover, f"shared-memory segments left after the update: {leftover}"
+        assert backend.weight_version == version + 1
         changed = backend.generate(batch, greedy=True)
+        assert changed["weight_version"].tolist() == [version + 1] * changed.size
         assert not torch.equal(changed["output_ids"], before["output_ids"]) or not torch.equal(
             changed["logprobs"], before["logprobs"]
         ), "outputs did not change after a weight update"
@@ -86,9 +89,12 @@ class CapabilityProperties(SuiteBase):
             "restoring the weights did not restore the logprobs exactly"
         )
 
-    @pytest.mark.parametrize("fault", ["wrong shape", "unknown name", "wrong dtype"])
+    @pytest.mark.parametrize(
+        "fault", ["wrong shape", "unknown name", "non-float dtype", "missing weight"]
+    )
     def test_mismatched_weight_update_refused(self, subject: ConformanceSubject, fault: str):
-        """An update that does not fit the model raises WeightUpdateError and changes nothing."""
+        """An update that does not fit the model, or leaves a weight out, raises
+        WeightUpdateError and changes nothing."""
         if not self.claims_weight_updates:
             pytest.skip("backend does not claim weight updates")
         original = _state_dict_of(subject)
@@ -100,17 +106,95 @@ class CapabilityProperties(SuiteBase):
             bad[name] = torch.cat([bad[name], bad[name][:1]])
         elif fault == "unknown name":
             bad["not.a.weight"] = torch.zeros(3)
+        elif fault == "non-float dtype":
+            bad[name] = bad[name].to(torch.int32)
         else:
-            bad[name] = bad[name].to(torch.float64)
-        with pytest.raises(WeightUpdateError):
-            backend.prepare_refit_info({k: (v.shape, v.dtype) for k, v in bad.items()})
+            del bad[name]
+        if fault != "missing weight":  # refit info may describe part of the weights
+            with pytest.raises(WeightUpdateError):
+                backend.prepare_refit_info({k: (v.shape, v.dtype) for k, v in bad.items()})
+        version = backend.weight_version
         with share_weights(bad) as shared, pytest.raises(WeightUpdateError):
             backend.update_weights_from_ipc_handles(shared.handles)
+        assert backend.weight_version == version
         after = backend.generate(batch, greedy=True)
         assert torch.equal(after["output_ids"], before["output_ids"])
         assert torch.equal(after["logprobs"], before["logprobs"]), (
             "a refused update changed outputs"
         )
+
+
+    def test_a_streamed_refit_equals_a_one_shot_update(self, subject: ConformanceSubject):
+        """``refit`` through buckets smaller than the model (several loads, one transaction)
+        gives what one ``update_weights_from_ipc_handles`` gives, and commits its version."""
+        if not self.claims_weight_updates:
+            pytest.skip("backend does not claim weight updates")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before = backend.generate(batch, greedy=True)
+        new = _perturbed(original)
+        with share_weights(new) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+        one_shot = backend.generate(batch, greedy=True)
+        refit(backend, original)
+        version = backend.weight_version + 5
+        small = max(t.numel() * t.element_size() for t in new.values()) // 2
+        assert refit(backend, new, version=version, bucket_bytes=small) == version
+        streamed = backend.generate(batch, greedy=True)
+        assert torch.equal(streamed["output_ids"], one_shot["output_ids"])
+        assert torch.equal(streamed["logprobs"], one_shot["logprobs"])
+        assert streamed["weight_version"].tolist() == [version] * streamed.size
+        refit(backend, original)
+        assert torch.equal(backend.generate(batch, greedy=True)["logprobs"], before["logprobs"])
+
+    def test_float_weights_in_another_dtype_are_cast(self, subject: ConformanceSubject):
+        """float64 master weights load as the model's dtype, exactly as a cast would."""
+        if not self.claims_weight_updates:
+            pytest.skip("backend does not claim weight updates")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before = backend.generate(batch, greedy=True)
+        wide = {k: v.double() if v.is_floating_point() else v for k, v in original.items()}
+        refit(backend, wide)
+        after = backend.generate(batch, greedy=True)
+        assert torch.equal(after["logprobs"], before["logprobs"])
+
+    def test_an_incomplete_transaction_is_refused_and_generation_waits(
+        self, subject: ConformanceSubject
+    ):
+        """A commit with a weight missing raises; generation then refuses (the weights are part
+        old, part new) until a complete update commits, which restores the outputs exactly."""
+        if not self.claims_weight_updates:
+            pytest.skip("backend does not claim weight updates")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before = backend.generate(batch, greedy=True)
+        version = backend.weight_version
+        backend.start_weight_update()
+        part = dict(list(_perturbed(original).items())[:-1])
+        with share_weights(part) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+        with pytest.raises(WeightUpdateError, match="missing"):
+            backend.commit_weight_update()
+        assert backend.weight_version == version
+        with pytest.raises(GenerationError, match="no real weights"):
+            backend.generate(batch, greedy=True)
+        refit(backend, original)
+        assert torch.equal(backend.generate(batch, greedy=True)["logprobs"], before["logprobs"])
+
+    def test_an_abort_before_any_load_keeps_the_weights(self, subject: ConformanceSubject):
+        """start then abort changes nothing: outputs and version stay."""
+        if not self.claims_weight_updates:
+            pytest.skip("backend does not claim weight updates")
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before, version = backend.generate(batch, greedy=True), backend.weight_version
+        backend.start_weight_update()
+        with pytest.raises(WeightUpdateError, match="already in progress"):
+            backend.start_weight_update()
+        backend.abort_weight_update()
+        backend.abort_weight_update()  # a no-op without a transaction
+        assert backend.weight_version == version
+        assert torch.equal(backend.generate(batch, greedy=True)["logprobs"], before["logprobs"])
 
 
 def _state_dict_of(subject: ConformanceSubject) -> dict[str, torch.Tensor]:

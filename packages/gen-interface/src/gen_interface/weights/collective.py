@@ -1,0 +1,241 @@
+"""The collective path: weights broadcast from a trainer to generation workers on other machines.
+
+A process group of its own joins the trainer (rank 0) and every generation worker (ranks 1..n),
+built from a ``TCPStore`` rendezvous, independent of any group the trainer already has (the
+default ``torch.distributed`` group is never touched): gloo for CPU tensors, NCCL for CUDA ones.
+Weights travel in buckets: the trainer packs one, tells the backend what it holds (names, dtypes,
+shapes, offsets, checksum), and broadcasts it; every worker receives, verifies and loads it, in
+the same transaction as the shared-memory path.
+
+Trainer::
+
+    broadcaster = WeightBroadcaster.connect(generator)      # once
+    broadcaster.refit(model.state_dict(), version=step)    # after every training step
+    broadcaster.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+
+from gen_interface.errors import WeightUpdateError
+from gen_interface.weights.checksum import bytes_checksum
+from gen_interface.weights.handles import TensorSlot
+from gen_interface.weights.layout import NamedTensors, group_bytes, pack, plan_buckets, unpack
+from gen_interface.weights.producer import named_tensors
+
+if TYPE_CHECKING:
+    from gen_interface.interface import GenerationInterface
+
+__all__ = [
+    "BroadcastBucket",
+    "CollectiveEndpoint",
+    "WeightBroadcaster",
+    "join_weight_group",
+    "receive_broadcast",
+]
+
+#: Bytes per broadcast: large enough to amortise each call's latency.
+DEFAULT_BROADCAST_BYTES = 256 * 2**20
+
+
+class CollectiveEndpoint(TypedDict):
+    """Where the group meets and who is in it (plain data, sent to the backend)."""
+
+    host: str  # the trainer's address, reachable from every worker
+    port: int  # the rendezvous port (a TCPStore the trainer serves)
+    world_size: int  # 1 + the backend's collective_ranks()
+    rank_offset: int  # rank of the backend's first worker (1: right after the trainer)
+    timeout_s: float  # how long a rendezvous or one broadcast may take
+
+
+class BroadcastBucket(TypedDict):
+    """What one broadcast holds, sent to the backend ahead of the bytes."""
+
+    tensors: list[TensorSlot]
+    nbytes: int
+    checksum: int  # bytes_checksum of the bytes, taken on the trainer's device
+
+
+@dataclass
+class WeightGroup:
+    """A joined process group and this process's place in it."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    device: torch.device
+
+
+def join_weight_group(endpoint: CollectiveEndpoint, rank: int, device: torch.device) -> WeightGroup:
+    """Join the weight group as ``rank``; blocks until every rank has joined.
+
+    Rank 0 serves the rendezvous. CUDA devices use NCCL, CPU uses gloo.
+
+    Raises:
+        WeightUpdateError: the group could not form within the endpoint's timeout.
+    """
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=endpoint["timeout_s"])
+    try:
+        store = TCPStore(
+            endpoint["host"], endpoint["port"], endpoint["world_size"], rank == 0, timeout=timeout
+        )
+        if device.type == "cuda":
+            from torch.distributed import ProcessGroupNCCL
+
+            nccl: Any = ProcessGroupNCCL  # its stub lists only the Options overload
+            group: Any = nccl(store, rank, endpoint["world_size"], timeout)
+        else:
+            group = ProcessGroupGloo(store, rank, endpoint["world_size"], timeout)
+    except Exception as exc:
+        raise WeightUpdateError(
+            f"could not join the weight group at {endpoint['host']}:{endpoint['port']} as rank "
+            f"{rank} of {endpoint['world_size']}: {exc}"
+        ) from exc
+    return WeightGroup(group, rank, device)
+
+
+def broadcast(group: WeightGroup, data: torch.Tensor) -> None:
+    """Broadcast ``data`` from rank 0 to every rank (in place on receivers)."""
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.group.broadcast([data], options).wait()
+
+
+def receive_broadcast(group: WeightGroup, bucket: BroadcastBucket) -> NamedTensors:
+    """Receive one broadcast bucket into new memory on the group's device and verify it.
+
+    Returns:
+        ``(name, tensor)`` views of the received bytes (nothing else holds them).
+
+    Raises:
+        WeightUpdateError: the bytes differ from what the trainer sent.
+    """
+    data = torch.empty(max(bucket["nbytes"], 1), dtype=torch.uint8, device=group.device)
+    broadcast(group, data)
+    data = data[: bucket["nbytes"]]
+    if bytes_checksum(data) != bucket["checksum"]:
+        raise WeightUpdateError("a broadcast weight bucket arrived damaged (checksum mismatch)")
+    return unpack(data, bucket["tensors"])
+
+
+class WeightBroadcaster:
+    """The trainer's end of the collective path to one backend.
+
+    Build it with ``connect``; it holds the group until ``close``.
+    """
+
+    def __init__(self, backend: GenerationInterface, group: WeightGroup):
+        self.backend = backend
+        self.group = group
+
+    @classmethod
+    def connect(
+        cls,
+        backend: GenerationInterface,
+        *,
+        device: torch.device | str = "cpu",
+        host: str | None = None,
+        port: int = 0,
+        timeout_s: float = 300.0,
+    ) -> WeightBroadcaster:
+        """Form the group: the backend's workers join while this process serves as rank 0.
+
+        Args:
+            backend: a backend whose capabilities list ``"collective"``.
+            device: where the trainer's weights are sent from: ``"cpu"`` (gloo) or a CUDA
+                device (NCCL; the workers must be on GPUs too).
+            host: this machine's address as the workers reach it; default: its host name's.
+            port: the rendezvous port; 0 picks a free one.
+            timeout_s: how long forming the group and each broadcast may take.
+        """
+        endpoint = CollectiveEndpoint(
+            host=host or socket.gethostbyname(socket.gethostname()),
+            port=port or _free_port(),
+            world_size=1 + backend.collective_ranks(),
+            rank_offset=1,
+            timeout_s=timeout_s,
+        )
+        joined = _Background(backend.init_collective, endpoint)
+        try:
+            group = join_weight_group(endpoint, 0, torch.device(device))
+        finally:
+            joined.result()
+        return cls(backend, group)
+
+    def refit(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+        bucket_bytes: int = DEFAULT_BROADCAST_BYTES,
+    ) -> int:
+        """Broadcast ``state_dict`` to every worker as one transaction; returns the version.
+
+        Raises:
+            WeightUpdateError: the backend refused or failed the update (it was aborted).
+        """
+        tensors = named_tensors(state_dict)
+        self.backend.start_weight_update(version)
+        loading: _Background | None = None
+        try:
+            for group in plan_buckets(tensors, bucket_bytes):
+                device = self.group.device
+                data = torch.empty(max(group_bytes(group), 1), dtype=torch.uint8, device=device)
+                slots, used = pack(data, group)
+                bucket = BroadcastBucket(
+                    tensors=slots, nbytes=used, checksum=bytes_checksum(data[:used])
+                )
+                if loading is not None:
+                    loading.result()  # one load at a time; packing overlapped with it
+                loading = _Background(self.backend.update_weights_from_collective, bucket)
+                broadcast(self.group, data)
+            if loading is not None:
+                loading.result()
+            return self.backend.commit_weight_update()
+        except BaseException:
+            if loading is not None:
+                loading.wait()
+            self.backend.abort_weight_update()
+            raise
+
+    def close(self) -> None:
+        """Leave the group (the backend's workers leave at their shutdown)."""
+        self.group.group = None
+
+
+class _Background:
+    """A call run on a thread, whose result (or exception) is collected later."""
+
+    def __init__(self, call: Any, *args: Any):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(call, *args), daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except BaseException as exc:
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])

@@ -1,0 +1,190 @@
+"""How tensors are laid out in buckets, and where buckets live (host memory or a GPU).
+
+Shared by the one-shot producer (``share_weights``) and the streaming one (``BucketRing``).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gen_interface.weights.checksum import bytes_checksum
+from gen_interface.weights.cuda_ipc import device_index, device_uuid, export_cuda_bucket
+from gen_interface.weights.handles import TensorSlot, WeightBucket, dtype_from_name, dtype_name
+from gen_interface.weights.shm import create_segment
+
+__all__ = [
+    "Allocation",
+    "NamedTensors",
+    "Place",
+    "fill_bucket",
+    "pack",
+    "plan_buckets",
+    "resolve_places",
+    "unpack",
+]
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a copy of the weights lives: host shared memory (``device`` None) or one GPU."""
+
+    device: torch.device | None
+
+    def allocate(self, nbytes: int) -> Allocation:
+        """A new bucket of ``nbytes`` here."""
+        if self.device is None:
+            path, data = create_segment(nbytes)
+            return Allocation(self, data, path, b"")
+        data = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        return Allocation(self, data, "", export_cuda_bucket(data))
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One bucket's memory: a shared-memory segment (``path``) or a CUDA IPC-exported tensor."""
+
+    place: Place
+    data: torch.Tensor  # uint8 [capacity]
+    path: str
+    ipc_args: bytes
+
+    @property
+    def capacity(self) -> int:
+        return int(self.data.numel())
+
+
+def resolve_places(
+    tensors: NamedTensors, devices: Sequence[torch.device | int | str] | None
+) -> list[Place]:
+    """The places a copy goes to: ``devices`` (CUDA devices, indices or GPU UUIDs), else the
+    tensors' own device (host memory for CPU tensors).
+
+    Raises:
+        ValueError: ``devices`` names a non-CUDA device, or, without ``devices``, the tensors
+            sit on several devices or on one that is neither CPU nor CUDA.
+    """
+    if devices is not None:
+        return [Place(d) for d in dict.fromkeys(_cuda_device(d) for d in devices)]
+    found = {tensor.device for _, tensor in tensors} or {torch.device("cpu")}
+    if len(found) > 1:
+        raise ValueError(
+            f"weights on several devices {sorted(map(str, found))}: pass devices=[...] (a copy "
+            "per GPU) or move them to one device"
+        )
+    device = found.pop()
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot share weights on device {device}: use CPU or CUDA tensors")
+    return [Place(None if device.type == "cpu" else device)]
+
+
+def plan_buckets(tensors: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
+    """Cut ``tensors`` (in order) into groups of at most ``bucket_bytes`` laid out; a tensor
+    larger than that is a group of its own."""
+    groups: list[NamedTensors] = []
+    current: NamedTensors = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = aligned(tensor.numel() * tensor.element_size())
+        if current and size + nbytes > bucket_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def group_bytes(group: NamedTensors) -> int:
+    """Bytes a group takes in a bucket, alignment included."""
+    return sum(aligned(t.numel() * t.element_size()) for _, t in group)
+
+
+def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int]:
+    """Copy ``group`` (from any device) into the uint8 tensor ``data``, 64-byte aligned.
+
+    Returns:
+        The slots describing where each tensor went, and the bytes used.
+
+    Raises:
+        ValueError: the group does not fit.
+    """
+    needed = group_bytes(group)
+    if needed > data.numel():
+        raise ValueError(f"{needed} bytes do not fit a {data.numel()}-byte bucket")
+    slots: list[TensorSlot] = []
+    offset = 0
+    for name, tensor in group:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            data[offset : offset + nbytes].copy_(source)
+        slots.append(
+            TensorSlot(
+                name=name,
+                dtype=dtype_name(tensor.dtype),
+                shape=list(tensor.shape),
+                offset=offset,
+                nbytes=nbytes,
+            )
+        )
+        offset += aligned(nbytes)
+    return slots, offset
+
+
+def unpack(data: torch.Tensor, slots: Sequence[TensorSlot]) -> NamedTensors:
+    """``(name, tensor)`` views of a packed bucket (no copy)."""
+    return [
+        (
+            slot["name"],
+            data[slot["offset"] : slot["offset"] + slot["nbytes"]]
+            .view(dtype_from_name(slot["dtype"]))
+            .view(slot["shape"]),
+        )
+        for slot in slots
+    ]
+
+
+def fill_bucket(allocation: Allocation, group: NamedTensors) -> WeightBucket:
+    """Copy ``group`` into ``allocation`` (from any device) and describe the bucket.
+
+    The checksum covers the bytes used, read once right after they were written.
+    """
+    data = allocation.data
+    slots, offset = pack(data, group)
+    device = allocation.place.device
+    return WeightBucket(
+        transport="shm" if device is None else "cuda_ipc",
+        location=allocation.path,
+        ipc_args=allocation.ipc_args,
+        device_uuid="" if device is None else device_uuid(device),
+        nbytes=offset,
+        checksum=bytes_checksum(data[:offset]),
+        tensors=slots,
+    )
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def host_name() -> str:
+    return socket.gethostname()
+
+
+def _cuda_device(device: torch.device | int | str) -> torch.device:
+    """A CUDA device from a device, an index or a GPU UUID (``"GPU-..."``)."""
+    if isinstance(device, str) and device.startswith("GPU-"):
+        return torch.device("cuda", device_index(device))
+    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if resolved.type != "cuda":
+        raise ValueError(f"devices=... takes CUDA devices, indices or GPU UUIDs, got {device!r}")
+    return resolved

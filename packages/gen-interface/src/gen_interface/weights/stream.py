@@ -1,0 +1,160 @@
+"""Streaming refit, producer side: the trainer's tensors flow through a few reusable buckets.
+
+``refit(backend, state_dict)`` opens a weight-update transaction on the backend, then fills one
+bucket while the backend loads the previous one (double buffering), and commits. The extra
+memory is ``buffers`` buckets per place, whatever the model size. A trainer needs only this
+package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from gen_interface.weights.handles import HANDLES_FORMAT, WeightHandles
+from gen_interface.weights.layout import (
+    Allocation,
+    NamedTensors,
+    Place,
+    fill_bucket,
+    group_bytes,
+    host_name,
+    plan_buckets,
+    resolve_places,
+)
+from gen_interface.weights.producer import named_tensors
+from gen_interface.weights.shm import unlink_segment
+
+if TYPE_CHECKING:
+    from gen_interface.interface import GenerationInterface
+
+__all__ = ["DEFAULT_STREAM_BUCKET_BYTES", "BucketRing", "refit"]
+
+logger = logging.getLogger(__name__)
+
+#: Bucket size of a streaming refit: big enough that per-bucket calls cost little, small enough
+#: that the buckets stay in cache between the trainer writing them and a worker reading them.
+DEFAULT_STREAM_BUCKET_BYTES = 64 * 2**20
+
+
+class BucketRing:
+    """``count`` reusable buckets in each place, filled in turn.
+
+    Args:
+        places: where copies go (host memory, or each GPU a worker reads from).
+        capacity: bytes per bucket; a group larger than that gets its slot grown to fit.
+        count: buckets per place; 2 lets one be filled while a backend reads the other.
+    """
+
+    def __init__(self, places: Sequence[Place], capacity: int, count: int = 2):
+        if count < 1 or capacity < 1:
+            raise ValueError(f"count and capacity must be >= 1, got {count}, {capacity}")
+        self.places = list(places)
+        self.capacity = capacity
+        self._slots: list[list[Allocation | None]] = [[None] * count for _ in self.places]
+
+    @property
+    def count(self) -> int:
+        return len(self._slots[0])
+
+    def fill(self, slot: int, group: NamedTensors) -> WeightHandles:
+        """Copy ``group`` into bucket ``slot`` of every place; handles for just those buckets.
+
+        The caller must know that no consumer still reads that slot's previous contents.
+        """
+        needed = max(group_bytes(group), 1)
+        buckets = []
+        for place, allocations in zip(self.places, self._slots, strict=True):
+            current = allocations[slot]
+            if current is None or current.capacity < needed:
+                if current is not None:
+                    _free(current)
+                allocations[slot] = current = place.allocate(max(self.capacity, needed))
+            buckets.append(fill_bucket(current, group))
+        return WeightHandles(
+            format=HANDLES_FORMAT, host=host_name(), buckets=buckets, release_after_read=False
+        )
+
+    def allocated_bytes(self) -> int:
+        """Bytes the ring holds now, all places and slots."""
+        return sum(a.capacity for slots in self._slots for a in slots if a is not None)
+
+    def close(self) -> None:
+        """Unlink every segment and drop every CUDA bucket. Idempotent."""
+        for allocations in self._slots:
+            for i, allocation in enumerate(allocations):
+                if allocation is not None:
+                    _free(allocation)
+                    allocations[i] = None
+
+    def __enter__(self) -> BucketRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def refit(
+    backend: GenerationInterface,
+    state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int | None = None,
+    bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES,
+    devices: Sequence[torch.device | int | str] | None = None,
+    buffers: int = 2,
+) -> int:
+    """Load ``state_dict`` into ``backend`` as one verified transaction, streamed.
+
+    ``start_weight_update(version)``, then one ``update_weights_from_ipc_handles`` per bucket
+    while the next bucket is filled, then ``commit_weight_update()``. If anything fails the
+    transaction is aborted (``abort_weight_update``) and the error raised.
+
+    Args:
+        backend: any backend with weight-update transactions.
+        state_dict: every weight of the model, ``{name: tensor}`` or pairs, on one device.
+        version: the weight version to commit; default: the backend's current one plus one.
+        bucket_bytes: bytes per bucket.
+        devices: GPUs to place a copy on, one per generation GPU (see ``share_weights``).
+        buffers: buckets per place (2: double buffering).
+
+    Returns:
+        The committed weight version.
+
+    Raises:
+        WeightUpdateError: the backend refused or failed the update (it was aborted).
+        ValueError: a name repeats or the tensors sit on several devices without ``devices``.
+    """
+    tensors = named_tensors(state_dict)
+    groups = plan_buckets(tensors, bucket_bytes)
+    places = resolve_places(tensors, devices)
+    with BucketRing(places, bucket_bytes, buffers) as ring, ThreadPoolExecutor(1) as loader:
+        backend.start_weight_update(version)
+        loading: list[Future[None]] = []
+        try:
+            for index, group in enumerate(groups):
+                # This slot's previous bucket was loaded before the previous one was sent.
+                handles = ring.fill(index % ring.count, group)
+                if len(loading) >= ring.count - 1 and loading:
+                    loading.pop(0).result()
+                loading.append(loader.submit(backend.update_weights_from_ipc_handles, handles))
+            for future in loading:
+                future.result()
+            return backend.commit_weight_update()
+        except BaseException:
+            for future in loading:
+                future.cancel()
+            with contextlib.suppress(Exception):
+                for future in loading:
+                    future.exception()
+                backend.abort_weight_update()
+            raise
+
+
+def _free(allocation: Allocation) -> None:
+    if allocation.path:
+        unlink_segment(allocation.path)

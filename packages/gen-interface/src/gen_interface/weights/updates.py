@@ -1,0 +1,165 @@
+"""``WeightUpdates``: the weight-update transaction flow every backend shares.
+
+A backend says how to begin, load, commit and abort on its own workers; this class owns the
+rules: one transaction at a time, each load checked before it is written, a single-call update
+being a complete transaction that is checked in full before anything is written, the version, and
+what the lifecycle learns (weights woken for the update, real weights present or not).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gen_interface.errors import WeightUpdateError
+from gen_interface.lifecycle import Lifecycle, LifecycleView
+from gen_interface.weights.consumer import TensorSpecs, check_update_is_complete
+from gen_interface.weights.handles import describe_weight_handles
+from gen_interface.weights.transaction import WeightTransaction, next_version
+
+__all__ = ["WeightUpdateSteps", "WeightUpdates"]
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class WeightUpdateSteps:
+    """What a backend does at each step of a transaction.
+
+    Attributes:
+        load: load one set of handles (already checked against the model) into every worker.
+            It may raise ``WeightUpdateError`` before writing anything.
+        begin: prepare the workers for loads (e.g. pause generation, vLLM's
+            ``start_weight_update``).
+        commit: finish on the workers and verify that all took the same weights; receives the
+            version. Raising here after loads means the weights are not trustworthy.
+        abort: finish on the workers after a failure; receives whether loads were written.
+    """
+
+    load: Callable[[Mapping[str, Any]], None]
+    begin: Callable[[int], None] = _nothing
+    commit: Callable[[int], None] = _nothing
+    abort: Callable[[bool], None] = _nothing
+
+
+class WeightUpdates:
+    """One backend's weight version and its transaction in progress, if any.
+
+    Args:
+        lifecycle: the backend's; updates wake sleeping weights and set whether real weights
+            are present.
+        model: the model's ``{name: (shape, dtype)}``.
+        optional: names an update may omit (aliases of tied weights).
+        steps: the backend's part.
+    """
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle | LifecycleView,
+        model: TensorSpecs,
+        optional: Collection[str],
+        steps: WeightUpdateSteps,
+    ):
+        self.lifecycle = lifecycle
+        self.model = model
+        self.optional = frozenset(optional)
+        self.steps = steps
+        self.version = 0
+        self._open: WeightTransaction | None = None
+        self._lock = threading.RLock()
+
+    @property
+    def in_progress(self) -> bool:
+        return self._open is not None
+
+    def start(self, version: int | None = None) -> int:
+        """Open a transaction; see ``GenerationInterface.start_weight_update``."""
+        with self._lock:
+            if self._open is not None:
+                raise WeightUpdateError(
+                    f"a weight update (to version {self._open.version}) is already in progress: "
+                    "commit_weight_update() or abort_weight_update() first"
+                )
+            target = next_version(self.version, version)
+            self.lifecycle.begin_update()
+            try:
+                self.steps.begin(target)
+            except BaseException:
+                self.lifecycle.end_update()
+                raise
+            self._open = WeightTransaction(self.model, self.optional, target)
+            return target
+
+    def load(self, handles: Mapping[str, Any]) -> None:
+        """One load of the open transaction, or a complete transaction of its own."""
+        self.load_described(describe_weight_handles(handles), lambda: self.steps.load(handles))
+
+    def load_described(self, incoming: TensorSpecs, write: Callable[[], None]) -> None:
+        """``load`` for any source: ``incoming`` describes what ``write`` writes (an in-process
+        state dict, a collective broadcast)."""
+        with self._lock:
+            if self._open is not None:
+                self._open.accept_specs(incoming)  # a refused load changes nothing
+                write()
+                return
+            # A single call is a whole update: check it all before anything is written.
+            check_update_is_complete(incoming, self.model, self.optional)
+            self.start()
+            try:
+                assert self._open is not None
+                self._open.accept_specs(incoming)
+                write()
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+
+    def commit(self) -> int:
+        """Close the transaction; see ``GenerationInterface.commit_weight_update``."""
+        with self._lock:
+            txn = self._require_open("commit_weight_update")
+            try:
+                txn.check_complete()
+            except WeightUpdateError:
+                self.abort()
+                raise
+            try:
+                self.steps.commit(txn.version)
+            except BaseException:
+                self._close(written=txn.loads > 0, why="verifying it failed")
+                raise
+            self.version = txn.version
+            self._open = None
+            self.lifecycle.weights_arrived()
+            self.lifecycle.end_update()
+            return txn.version
+
+    def abort(self) -> None:
+        """Drop the transaction; see ``GenerationInterface.abort_weight_update``."""
+        with self._lock:
+            if self._open is None:
+                return
+            written = self._open.loads > 0
+            try:
+                self.steps.abort(written)
+            finally:
+                self._close(written=written, why="it was aborted after loads were written")
+
+    def _close(self, *, written: bool, why: str) -> None:
+        if written:
+            self.lifecycle.weights_discarded(
+                f"a weight update left them part old, part new: {why}; commit a complete update"
+            )
+        self._open = None
+        self.lifecycle.end_update()
+
+    def _require_open(self, what: str) -> WeightTransaction:
+        if self._open is None:
+            raise WeightUpdateError(
+                f"{what}() without a weight update in progress: call start_weight_update() first"
+            )
+        return self._open

@@ -1,0 +1,77 @@
+"""Receiving one load of a weight update in a worker, whatever carried it.
+
+A load is shared buckets (``handles``: shared memory or CUDA IPC) or one broadcast bucket
+(``broadcast``, over the weight group). Either way each bucket is verified against the checksum
+its producer recorded before any of it is handed on, one bucket at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import torch
+from gen_interface import WeightUpdateError
+from gen_interface.weights import handles_for_device, receive_broadcast
+from gen_interface.weights.collective import BroadcastBucket, WeightGroup
+from gen_interface.weights.consumer import map_bucket, verify_bucket
+from gen_interface.weights.handles import WeightHandles
+from gen_interface.weights.layout import NamedTensors, unpack
+
+__all__ = ["LoadInfo", "ReceivedBucket", "receive_load"]
+
+
+class LoadInfo(TypedDict, total=False):
+    """One load, as the driver sends it to every rank: exactly one of the two keys."""
+
+    handles: WeightHandles
+    broadcast: BroadcastBucket
+
+
+@dataclass(frozen=True)
+class ReceivedBucket:
+    """One verified bucket: its tensors (views of ``data``) and its checksum."""
+
+    tensors: NamedTensors
+    checksum: int
+    # The producer's bucket the tensors view, when it is shared memory the producer reuses:
+    # anything that must outlive the load has to be copied out of it. None otherwise.
+    shared: torch.Tensor | None
+
+
+def receive_load(
+    info: Mapping[str, Any], *, device_uuid: str | None, group: WeightGroup | None
+) -> Iterator[ReceivedBucket]:
+    """The buckets of one load, each verified, in order.
+
+    Args:
+        info: a ``LoadInfo``.
+        device_uuid: this rank's GPU, or None on CPU (which copy of shared handles it reads).
+        group: the weight group, for broadcast loads.
+
+    Raises:
+        WeightUpdateError: a bucket is gone, damaged, or on another host; a broadcast load
+            without a group; or info that is neither.
+    """
+    if "handles" in info:
+        handles = handles_for_device(info["handles"], device_uuid)
+        reusable = not handles.get("release_after_read", True)
+        for bucket in handles["buckets"]:
+            data = map_bucket(handles, bucket, cache=reusable)
+            verify_bucket(data, bucket)
+            yield ReceivedBucket(
+                unpack(data, bucket["tensors"]), bucket["checksum"], data if reusable else None
+            )
+    elif "broadcast" in info:
+        if group is None:
+            raise WeightUpdateError(
+                "a broadcast weight load arrived before this worker joined a weight group: "
+                "call init_collective (WeightBroadcaster.connect) first"
+            )
+        bucket = info["broadcast"]
+        yield ReceivedBucket(receive_broadcast(group, bucket), bucket["checksum"], None)
+    else:
+        raise WeightUpdateError(
+            f"a weight load names neither handles nor a broadcast: {sorted(info)}"
+        )

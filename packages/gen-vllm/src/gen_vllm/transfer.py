@@ -1,0 +1,129 @@
+"""The vLLM weight-transfer engine of this project, registered as ``"gen"``.
+
+vLLM 0.32 runs weight updates as a transaction in each worker: ``start_weight_update`` (layers
+go to the meta device, their old storage kept), any number of ``update_weights`` chunks (each
+layer is processed, packed and copied back into its old storage as soon as all its tensors
+arrived), ``finish_weight_update``. Its own transport engines (NCCL, CUDA IPC) need CUDA and
+vLLM in the trainer; this one receives this project's loads (``receive.py``: shared-memory or
+CUDA IPC buckets, or a broadcast over a weight group made of plain torch process groups), so the
+trainer needs gen-interface only, and the same engine runs on CPU and GPU.
+
+vLLM imports this module in every worker (it holds the ``worker_extension_cls``), which
+registers the engine before the worker builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
+from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from gen_vllm.extension import UpdatableVllmInternalWorker
+from gen_vllm.receive import receive_load
+
+__all__ = ["ENGINE_NAME", "GenWeightTransferEngine", "UpdatableVllmInternalWorker"]
+
+ENGINE_NAME = "gen"
+
+
+@dataclass
+class GenInitInfo(WeightTransferInitInfo):
+    """Joining the trainer's weight group (the collective path)."""
+
+    endpoint: dict[str, Any] = field(default_factory=dict)  # a CollectiveEndpoint
+    rank: int = 0  # this engine's first rank in the group; tensor-parallel rank r adds r
+
+
+@dataclass
+class GenUpdateInfo(WeightTransferUpdateInfo):
+    """One load: a ``receive.LoadInfo`` (shared handles or a broadcast bucket)."""
+
+    handles: dict[str, Any] | None = None
+    broadcast: dict[str, Any] | None = None
+
+
+class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
+    """Loads this project's weight loads into the model with vLLM's layerwise reload.
+
+    ``received`` holds the checksum of every bucket of the current transaction, in order.
+    """
+
+    init_info_cls = GenInitInfo
+    update_info_cls = GenUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.received: list[int] = []
+        self.group: WeightGroup | None = None
+
+    def init_transfer_engine(self, init_info: GenInitInfo) -> None:
+        rank = init_info.rank + int(self.vllm_config.parallel_config.rank)
+        endpoint = CollectiveEndpoint(**init_info.endpoint)  # type: ignore[typeddict-item]
+        self.group = join_weight_group(endpoint, rank, torch.device(self.device))
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.received = []
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: GenUpdateInfo) -> None:
+        info = {k: v for k, v in vars(update_info).items() if v is not None}
+        gpu = _device_uuid(self.device)
+        for bucket in receive_load(info, device_uuid=gpu, group=self.group):
+            self.model.load_weights(bucket.tensors)  # type: ignore[operator]
+            if bucket.shared is not None:
+                _own_pending_tensors(self.model, bucket.shared)
+            self.received.append(bucket.checksum)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def register() -> None:
+    """Make ``weight_transfer_config={"backend": "gen"}`` available in this process."""
+    with contextlib.suppress(ValueError):  # already registered
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, GenWeightTransferEngine)
+
+
+def _device_uuid(device: torch.device | str) -> str | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    from gen_interface.weights.cuda_ipc import device_uuid
+
+    return device_uuid(device)
+
+
+def _own_pending_tensors(model: torch.nn.Module, bucket: torch.Tensor) -> None:
+    """Copy out of ``bucket`` the tensors vLLM still holds for layers not complete yet.
+
+    Layerwise reload keeps the tensors of a layer until all of them arrived (a fused qkv or
+    gate_up layer may straddle two buckets), but the producer reuses ``bucket`` for a later
+    load. Tensors of complete layers were copied into the model already; these are the rest.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    start = bucket.untyped_storage().data_ptr()
+    end = start + bucket.untyped_storage().nbytes()
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.loaded_weights:
+            continue
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and start <= value.data_ptr() < end:
+                    bound.arguments[key] = value.clone()
+
+
+register()
