@@ -11,7 +11,7 @@ import pytest
 import torch
 from gen_hf import HfConfig, HfGeneration
 from gen_interface import BatchedDataDict, WeightUpdateError
-from gen_interface.weights import share_weights
+from gen_interface.weights import refit, share_weights
 from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
 
@@ -151,3 +151,20 @@ def test_updates_after_shutdown_are_refused(
         backend.update_weights_from_state_dict(weights)
     with share_weights(weights) as shared, pytest.raises(WeightUpdateError, match="shut down"):
         backend.update_weights_from_ipc_handles(shared.handles)
+
+
+def test_float32_masters_into_a_bfloat16_model_equal_its_own_cast(
+    tiny_qwen2: TinyModel, make_config: Callable[..., HfConfig]
+):
+    """A bfloat16 backend takes float32 weights, cast on the way: the same model as one that
+    loaded the float32 checkpoint as bfloat16."""
+    target = HfGeneration(make_config(tiny_qwen2, dtype="bfloat16"))
+    fresh = HfGeneration(make_config(tiny_qwen2, dtype="bfloat16"))
+    try:
+        refit(target, scaled(tiny_qwen2.state_dict(), 1.5))
+        refit(target, tiny_qwen2.state_dict())  # float32, as a trainer holds them
+        assert {t.dtype for t in target.state_dict().values()} == {torch.bfloat16}
+        assert_same(greedy(fresh), greedy(target))
+    finally:
+        target.shutdown()
+        fresh.shutdown()

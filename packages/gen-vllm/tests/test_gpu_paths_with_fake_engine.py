@@ -284,3 +284,29 @@ def test_an_actor_name_clash_is_a_typed_error_and_leaks_no_actor(
 
 def _pid_of(backend) -> int:
     return backend.replicas.infos[0]["pid"]
+
+
+def test_a_worker_killed_mid_transaction_breaks_the_backend(clusters, backends, tiny_qwen2):
+    """One replica dies between two loads of a refit: the update fails, no replica is left
+    serving half-updated weights, and the backend says it is broken."""
+    import os
+    import signal
+
+    from gen_interface.weights import refit
+
+    backend = backends(clusters([2]), tiny_qwen2)
+    real_update = backend.update_weights_from_ipc_handles
+    loads = []
+
+    def kill_before_the_second_load(handles):
+        loads.append(handles)
+        if len(loads) == 2:
+            os.kill(backend.replicas.infos[1]["pid"], signal.SIGKILL)
+        real_update(handles)
+
+    backend.update_weights_from_ipc_handles = kill_before_the_second_load
+    with pytest.raises(WeightUpdateError, match=r"died.*broken"):
+        refit(backend, perturbed(tiny_qwen2), bucket_bytes=200_000)
+    assert len(loads) == 2
+    with pytest.raises(GenerationError, match="broken"):
+        greedy(backend)
