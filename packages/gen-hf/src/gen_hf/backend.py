@@ -39,7 +39,7 @@ from gen_interface.weights import (
     WeightUpdates,
     WeightUpdateSteps,
     check_weights_match,
-    read_shared_weights,
+    iter_shared_weights,
     release_shared_weights,
 )
 
@@ -100,6 +100,7 @@ class HfGeneration(GenerationInterface):
             self._device.type == "cuda" and self.config["colocated"]["enabled"]
         )
         self._lock = threading.Lock()
+        self._targets: dict[str, torch.Tensor] | None = None
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
             "HfGeneration", wake=self._wake, release=self._release, close=self._close
         )
@@ -286,11 +287,14 @@ class HfGeneration(GenerationInterface):
         )
 
     def _load(self, handles: Mapping[str, Any]) -> None:
-        self._write(read_shared_weights(handles))  # every bucket verified before any write
+        # Each tensor is verified just before it is copied in, while its bytes are in cache.
+        self._write(iter_shared_weights(handles))
 
     def _write(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         with self._lock:
-            write_weights(self._model().model, tensors)
+            if self._targets is None:  # the model's tensors by name, while they do not move
+                self._targets = self._model().model.state_dict()
+            write_weights(self._targets, tensors)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -303,12 +307,14 @@ class HfGeneration(GenerationInterface):
         if "weights" in resources and self._loaded is not None:
             with self._lock:
                 move_model(self._loaded.model, self._device)
+                self._targets = None
 
     def _release(self) -> frozenset[Resource]:
         asleep: frozenset[Resource] = frozenset()
         with self._lock:
             if self._offload_on_finish and self._loaded is not None:
                 move_model(self._loaded.model, "cpu")
+                self._targets = None
                 asleep = frozenset({"weights"})
             _release_device_memory(self._device)
         return asleep
@@ -316,6 +322,7 @@ class HfGeneration(GenerationInterface):
     def _close(self) -> None:
         with self._lock:
             self._loaded = None
+            self._targets = None
             self._decode = None
             gc.collect()
             _release_device_memory(self._device)

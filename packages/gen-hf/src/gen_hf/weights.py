@@ -51,8 +51,10 @@ def state_dict_specs(state_dict: Mapping[str, torch.Tensor]) -> TensorSpecs:
     return specs
 
 
-def write_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy each ``(name, tensor)`` into the model's tensor of that name, in place.
+def write_weights(
+    targets: Mapping[str, torch.Tensor], tensors: Iterable[tuple[str, torch.Tensor]]
+) -> int:
+    """Copy each ``(name, tensor)`` into ``targets[name]`` (a model's ``state_dict()``), in place.
 
     The caller has checked names, shapes and dtypes (``check_weights_match``). Tensors on
     another device (shared-memory CPU buckets for a CUDA model) are copied across, and
@@ -61,7 +63,6 @@ def write_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Ten
     Returns:
         The number of tensors written.
     """
-    targets = model.state_dict()
     written = 0
     with torch.no_grad():
         for name, tensor in tensors:

@@ -15,9 +15,9 @@ import torch
 from gen_interface import WeightUpdateError
 from gen_interface.weights import handles_for_device, receive_broadcast
 from gen_interface.weights.collective import BroadcastBucket, WeightGroup
-from gen_interface.weights.consumer import map_bucket, verify_bucket
+from gen_interface.weights.consumer import map_bucket
 from gen_interface.weights.handles import WeightHandles
-from gen_interface.weights.layout import NamedTensors, unpack
+from gen_interface.weights.layout import unpack_verified
 
 __all__ = ["LoadInfo", "ReceivedBucket", "receive_load"]
 
@@ -33,7 +33,7 @@ class LoadInfo(TypedDict, total=False):
 class ReceivedBucket:
     """One verified bucket: its tensors (views of ``data``) and its checksum."""
 
-    tensors: NamedTensors
+    tensors: Iterator[tuple[str, torch.Tensor]]  # each verified just before it is yielded
     checksum: int
     # The producer's bucket the tensors view, when it is shared memory the producer reuses:
     # anything that must outlive the load has to be copied out of it. None otherwise.
@@ -43,7 +43,7 @@ class ReceivedBucket:
 def receive_load(
     info: Mapping[str, Any], *, device_uuid: str | None, group: WeightGroup | None
 ) -> Iterator[ReceivedBucket]:
-    """The buckets of one load, each verified, in order.
+    """The buckets of one load, in order; each tensor is verified just before it is yielded.
 
     Args:
         info: a ``LoadInfo``.
@@ -59,9 +59,10 @@ def receive_load(
         reusable = not handles.get("release_after_read", True)
         for bucket in handles["buckets"]:
             data = map_bucket(handles, bucket, cache=reusable)
-            verify_bucket(data, bucket)
             yield ReceivedBucket(
-                unpack(data, bucket["tensors"]), bucket["checksum"], data if reusable else None
+                unpack_verified(data, bucket["tensors"]),
+                bucket["checksum"],
+                data if reusable else None,
             )
     elif "broadcast" in info:
         if group is None:

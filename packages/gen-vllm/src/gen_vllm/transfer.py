@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
@@ -76,7 +76,7 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         info = {k: v for k, v in vars(update_info).items() if v is not None}
         gpu = _device_uuid(self.device)
         for bucket in receive_load(info, device_uuid=gpu, group=self.group):
-            self.model.load_weights(bucket.tensors)  # type: ignore[operator]
+            cast(Any, self.model).load_weights(bucket.tensors)
             if bucket.shared is not None:
                 _own_pending_tensors(self.model, bucket.shared)
             self.received.append(bucket.checksum)

@@ -2,8 +2,8 @@
 
 Trainer, streamed through a few reusable buckets as one transaction (the usual way)::
 
-    from gen_interface.weights import refit
-    version = refit(generator, model.state_dict())
+    refitter = Refitter(generator)                      # keeps its buckets between refits
+    version = refitter.refit(model.state_dict())        # after every training step
 
 Trainer, one shot (all buckets at once; one complete transaction)::
 
@@ -28,6 +28,7 @@ from gen_interface.weights.consumer import (
     check_weights_match,
     handles_checksum,
     handles_for_device,
+    iter_shared_weights,
     merge_weight_handles,
     read_shared_weights,
     release_shared_weights,
@@ -39,7 +40,7 @@ from gen_interface.weights.handles import (
     describe_weight_handles,
 )
 from gen_interface.weights.producer import DEFAULT_BUCKET_BYTES, SharedWeights, share_weights
-from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, refit
+from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, Refitter, refit
 from gen_interface.weights.transaction import WeightTransaction
 from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
 
@@ -49,6 +50,7 @@ __all__ = [
     "BroadcastBucket",
     "BucketRing",
     "CollectiveEndpoint",
+    "Refitter",
     "SharedWeights",
     "TensorSlot",
     "TensorSpecs",
@@ -65,6 +67,7 @@ __all__ = [
     "describe_weight_handles",
     "handles_checksum",
     "handles_for_device",
+    "iter_shared_weights",
     "join_weight_group",
     "merge_weight_handles",
     "read_shared_weights",

@@ -19,16 +19,16 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from gen_interface.errors import WeightUpdateError
-from gen_interface.weights.checksum import bytes_checksum
+from gen_interface.weights.checksum import combine_checksums
 from gen_interface.weights.handles import TensorSlot
-from gen_interface.weights.layout import NamedTensors, group_bytes, pack, plan_buckets, unpack
+from gen_interface.weights.layout import group_bytes, pack, plan_buckets, unpack_verified
 from gen_interface.weights.producer import named_tensors
 
 if TYPE_CHECKING:
@@ -59,9 +59,9 @@ class CollectiveEndpoint(TypedDict):
 class BroadcastBucket(TypedDict):
     """What one broadcast holds, sent to the backend ahead of the bytes."""
 
-    tensors: list[TensorSlot]
+    tensors: list[TensorSlot]  # each with its checksum, taken on the trainer's device
     nbytes: int
-    checksum: int  # bytes_checksum of the bytes, taken on the trainer's device
+    checksum: int  # combine_checksums of the tensors' checksums
 
 
 @dataclass
@@ -110,21 +110,21 @@ def broadcast(group: WeightGroup, data: torch.Tensor) -> None:
     group.group.broadcast([data], options).wait()
 
 
-def receive_broadcast(group: WeightGroup, bucket: BroadcastBucket) -> NamedTensors:
-    """Receive one broadcast bucket into new memory on the group's device and verify it.
+def receive_broadcast(
+    group: WeightGroup, bucket: BroadcastBucket
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive one broadcast bucket into new memory on the group's device.
 
     Returns:
-        ``(name, tensor)`` views of the received bytes (nothing else holds them).
+        ``(name, tensor)`` views of the received bytes (nothing else holds them), each verified
+        just before it is yielded.
 
     Raises:
-        WeightUpdateError: the bytes differ from what the trainer sent.
+        WeightUpdateError (while iterating): a tensor differs from what the trainer sent.
     """
     data = torch.empty(max(bucket["nbytes"], 1), dtype=torch.uint8, device=group.device)
     broadcast(group, data)
-    data = data[: bucket["nbytes"]]
-    if bytes_checksum(data) != bucket["checksum"]:
-        raise WeightUpdateError("a broadcast weight bucket arrived damaged (checksum mismatch)")
-    return unpack(data, bucket["tensors"])
+    return unpack_verified(data, bucket["tensors"])
 
 
 class WeightBroadcaster:
@@ -192,7 +192,9 @@ class WeightBroadcaster:
                 data = torch.empty(max(group_bytes(group), 1), dtype=torch.uint8, device=device)
                 slots, used = pack(data, group)
                 bucket = BroadcastBucket(
-                    tensors=slots, nbytes=used, checksum=bytes_checksum(data[:used])
+                    tensors=slots,
+                    nbytes=used,
+                    checksum=combine_checksums(slot["checksum"] for slot in slots),
                 )
                 if loading is not None:
                     loading.result()  # one load at a time; packing overlapped with it

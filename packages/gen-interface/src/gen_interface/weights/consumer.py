@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from gen_interface.errors import WeightUpdateError
-from gen_interface.weights.checksum import bytes_checksum, combine_checksums
+from gen_interface.weights.checksum import combine_checksums
 from gen_interface.weights.cuda_ipc import import_cuda_bucket
 from gen_interface.weights.handles import (
     HANDLES_FORMAT,
@@ -19,7 +19,7 @@ from gen_interface.weights.handles import (
     describe_weight_handles,
     dtype_name,
 )
-from gen_interface.weights.layout import unpack
+from gen_interface.weights.layout import unpack, unpack_verified
 from gen_interface.weights.shm import map_segment, unlink_segment
 
 __all__ = [
@@ -106,47 +106,49 @@ def read_shared_weights(
     *,
     verify: bool = True,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Map the shared buckets and return ``(name, tensor)`` views of every weight, in order.
+    """Map the shared buckets and return ``(name, tensor)`` views of every weight, in order,
+    every tensor verified first.
 
     Nothing is copied: each tensor views its bucket (shared memory or CUDA IPC), which stays
     mapped while any view lives. Segments are not unlinked here, because several workers may read
-    the same handles; the backend calls ``release_shared_weights`` once all have.
+    the same handles; the backend calls ``release_shared_weights`` once all have. A consumer
+    that writes each tensor as it comes should use ``iter_shared_weights`` instead, which
+    verifies each tensor just before handing it on (its bytes are then read while in cache).
 
     Args:
         handles: ``SharedWeights.handles``.
         expected: the model's ``{name: (shape, dtype)}``; checked before any bucket is mapped.
-        verify: check each bucket's bytes against the checksum the producer recorded.
+        verify: check each tensor's bytes against the checksum the producer recorded.
 
     Raises:
         WeightUpdateError: malformed handles, a mismatch with ``expected``, a segment that is
-            gone or on another host, or a bucket whose bytes changed since it was shared.
+            gone or on another host, or bytes that changed since they were shared.
     """
     specs = describe_weight_handles(handles)
     if expected is not None:
         check_weights_match(specs, expected)
+    if verify:
+        return list(iter_shared_weights(handles))
     out: list[tuple[str, torch.Tensor]] = []
-    reusable = not handles.get("release_after_read", True)
     for bucket in handles["buckets"]:
-        data = map_bucket(handles, bucket, cache=reusable)
-        if verify:
-            verify_bucket(data, bucket)
-        out.extend(unpack(data, bucket["tensors"]))
+        out.extend(unpack(_map(handles, bucket), bucket["tensors"]))
     return out
 
 
-def verify_bucket(data: torch.Tensor, bucket: Mapping[str, Any]) -> None:
-    """Check a bucket's bytes against the checksum its producer recorded (one pass).
+def iter_shared_weights(handles: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of every weight, in order, each verified just before it is
+    yielded.
 
     Raises:
-        WeightUpdateError: they differ: the bucket was written to after it was shared.
+        WeightUpdateError: a segment is gone or on another host, or a tensor's bytes changed
+            since they were shared (the tensors yielded before it were intact).
     """
-    if bytes_checksum(data) != bucket["checksum"]:
-        raise WeightUpdateError(
-            f"a weight bucket ({bucket['nbytes']} bytes, first tensor "
-            f"{bucket['tensors'][0]['name'] if bucket['tensors'] else None!r}) changed after it "
-            "was shared (checksum mismatch): the producer must not write to a bucket until the "
-            "backend has loaded it"
-        )
+    for bucket in handles["buckets"]:
+        yield from unpack_verified(_map(handles, bucket), bucket["tensors"])
+
+
+def _map(handles: Mapping[str, Any], bucket: Mapping[str, Any]) -> torch.Tensor:
+    return map_bucket(handles, bucket, cache=not handles.get("release_after_read", True))
 
 
 def handles_for_device(handles: Mapping[str, Any], device_uuid: str | None) -> dict[str, Any]:

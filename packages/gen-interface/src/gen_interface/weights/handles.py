@@ -38,6 +38,7 @@ class TensorSlot(TypedDict):
     shape: list[int]
     offset: int  # bytes from the start of the bucket, 64-byte aligned
     nbytes: int
+    checksum: int  # bytes_checksum of these bytes, taken right after they were written
 
 
 class WeightBucket(TypedDict):
@@ -52,7 +53,7 @@ class WeightBucket(TypedDict):
     ipc_args: bytes  # cuda_ipc: pickled rebuild arguments; shm: b""
     device_uuid: str  # cuda_ipc: the GPU's UUID; shm: ""
     nbytes: int
-    checksum: int  # bytes_checksum of the bucket's bytes, see checksum.py
+    checksum: int  # combine_checksums of its slots' checksums, in order
     tensors: list[TensorSlot]
 
 

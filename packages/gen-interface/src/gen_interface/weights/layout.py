@@ -6,12 +6,13 @@ Shared by the one-shot producer (``share_weights``) and the streaming one (``Buc
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gen_interface.weights.checksum import bytes_checksum
+from gen_interface.errors import WeightUpdateError
+from gen_interface.weights.checksum import bytes_checksum, combine_checksums
 from gen_interface.weights.cuda_ipc import device_index, device_uuid, export_cuda_bucket
 from gen_interface.weights.handles import TensorSlot, WeightBucket, dtype_from_name, dtype_name
 from gen_interface.weights.shm import create_segment
@@ -24,7 +25,9 @@ __all__ = [
     "pack",
     "plan_buckets",
     "resolve_places",
+    "slot_view",
     "unpack",
+    "unpack_verified",
 ]
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -109,7 +112,8 @@ def group_bytes(group: NamedTensors) -> int:
 
 
 def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int]:
-    """Copy ``group`` (from any device) into the uint8 tensor ``data``, 64-byte aligned.
+    """Copy ``group`` (from any device) into the uint8 tensor ``data``, 64-byte aligned, and take
+    each tensor's checksum right after writing it (while its bytes are still in cache).
 
     Returns:
         The slots describing where each tensor went, and the bytes used.
@@ -124,9 +128,9 @@ def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int
     offset = 0
     for name, tensor in group:
         nbytes = tensor.numel() * tensor.element_size()
+        region = data[offset : offset + nbytes]
         if nbytes:
-            source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            data[offset : offset + nbytes].copy_(source)
+            region.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         slots.append(
             TensorSlot(
                 name=name,
@@ -134,6 +138,7 @@ def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int
                 shape=list(tensor.shape),
                 offset=offset,
                 nbytes=nbytes,
+                checksum=bytes_checksum(region),
             )
         )
         offset += aligned(nbytes)
@@ -141,25 +146,43 @@ def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int
 
 
 def unpack(data: torch.Tensor, slots: Sequence[TensorSlot]) -> NamedTensors:
-    """``(name, tensor)`` views of a packed bucket (no copy)."""
-    return [
-        (
-            slot["name"],
-            data[slot["offset"] : slot["offset"] + slot["nbytes"]]
-            .view(dtype_from_name(slot["dtype"]))
-            .view(slot["shape"]),
-        )
-        for slot in slots
-    ]
+    """``(name, tensor)`` views of a packed bucket (no copy, no verification)."""
+    return [(slot["name"], slot_view(data, slot)) for slot in slots]
+
+
+def unpack_verified(
+    data: torch.Tensor, slots: Sequence[TensorSlot]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a packed bucket, each verified against its slot's checksum
+    just before it is yielded: a consumer that writes each tensor as it comes reads its bytes
+    twice while they are in cache, not from memory.
+
+    Raises:
+        WeightUpdateError: a tensor's bytes differ from what the producer wrote; the tensors
+            yielded before it were intact.
+    """
+    for slot in slots:
+        view = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
+        if bytes_checksum(view) != slot["checksum"]:
+            raise WeightUpdateError(
+                f"weight {slot['name']!r} changed after it was shared or sent (checksum "
+                "mismatch): the producer must not write to a bucket until it is loaded"
+            )
+        yield slot["name"], slot_view(data, slot)
+
+
+def slot_view(data: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    """The tensor a slot describes, viewing ``data``."""
+    region = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
+    return region.view(dtype_from_name(slot["dtype"])).view(slot["shape"])
 
 
 def fill_bucket(allocation: Allocation, group: NamedTensors) -> WeightBucket:
     """Copy ``group`` into ``allocation`` (from any device) and describe the bucket.
 
-    The checksum covers the bytes used, read once right after they were written.
+    Each tensor's checksum is taken right after it is written; the bucket's combines them.
     """
-    data = allocation.data
-    slots, offset = pack(data, group)
+    slots, offset = pack(allocation.data, group)
     device = allocation.place.device
     return WeightBucket(
         transport="shm" if device is None else "cuda_ipc",
@@ -167,7 +190,7 @@ def fill_bucket(allocation: Allocation, group: NamedTensors) -> WeightBucket:
         ipc_args=allocation.ipc_args,
         device_uuid="" if device is None else device_uuid(device),
         nbytes=offset,
-        checksum=bytes_checksum(data[:offset]),
+        checksum=combine_checksums(slot["checksum"] for slot in slots),
         tensors=slots,
     )
 

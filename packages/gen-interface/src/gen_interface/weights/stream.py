@@ -1,9 +1,9 @@
 """Streaming refit, producer side: the trainer's tensors flow through a few reusable buckets.
 
-``refit(backend, state_dict)`` opens a weight-update transaction on the backend, then fills one
-bucket while the backend loads the previous one (double buffering), and commits. The extra
-memory is ``buffers`` buckets per place, whatever the model size. A trainer needs only this
-package.
+``Refitter(backend).refit(state_dict)`` opens a weight-update transaction on the backend, then
+fills one bucket while the backend loads the previous one (double buffering), and commits. The
+extra memory is ``buffers`` buckets per place, whatever the model size, kept from one refit to the
+next. A trainer needs only this package.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from gen_interface.weights.shm import unlink_segment
 if TYPE_CHECKING:
     from gen_interface.interface import GenerationInterface
 
-__all__ = ["DEFAULT_STREAM_BUCKET_BYTES", "BucketRing", "refit"]
+__all__ = ["DEFAULT_STREAM_BUCKET_BYTES", "BucketRing", "Refitter", "refit"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,98 @@ class BucketRing:
         self.close()
 
 
+class Refitter:
+    """A trainer's streamed refits into one backend, keeping its buckets from one refit to the
+    next (new buckets would be faulted in anew by the trainer and by every worker, each time).
+
+    Args:
+        backend: any backend with weight-update transactions.
+        bucket_bytes: bytes per bucket.
+        devices: GPUs to place a copy on, one per generation GPU (see ``share_weights``);
+            default: the weights' own device.
+        buffers: buckets per place (2: double buffering).
+    """
+
+    def __init__(
+        self,
+        backend: GenerationInterface,
+        *,
+        bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES,
+        devices: Sequence[torch.device | int | str] | None = None,
+        buffers: int = 2,
+    ):
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.devices = devices
+        self.buffers = buffers
+        self._ring: BucketRing | None = None
+
+    def refit(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+    ) -> int:
+        """Load ``state_dict`` into the backend as one verified transaction, streamed.
+
+        ``start_weight_update(version)``, then one ``update_weights_from_ipc_handles`` per bucket
+        while the next bucket is filled, then ``commit_weight_update()``. If anything fails the
+        transaction is aborted (``abort_weight_update``) and the error raised.
+
+        Args:
+            state_dict: every weight of the model, ``{name: tensor}`` or pairs, on one device.
+            version: the weight version to commit; default: the backend's current one plus one.
+
+        Returns:
+            The committed weight version.
+
+        Raises:
+            WeightUpdateError: the backend refused or failed the update (it was aborted).
+            ValueError: a name repeats or the tensors sit on several devices without
+                ``devices``.
+        """
+        tensors = named_tensors(state_dict)
+        groups = plan_buckets(tensors, self.bucket_bytes)
+        places = resolve_places(tensors, self.devices)
+        if self._ring is None or self._ring.places != places:
+            self.close()
+            self._ring = BucketRing(places, self.bucket_bytes, self.buffers)
+        ring = self._ring
+        backend = self.backend
+        with ThreadPoolExecutor(1) as loader:
+            backend.start_weight_update(version)
+            loading: list[Future[None]] = []
+            try:
+                for index, group in enumerate(groups):
+                    if len(loading) >= ring.count:  # the slot to fill is still being read
+                        loading.pop(0).result()
+                    handles = ring.fill(index % ring.count, group)
+                    loading.append(loader.submit(backend.update_weights_from_ipc_handles, handles))
+                for future in loading:
+                    future.result()
+                return backend.commit_weight_update()
+            except BaseException:
+                for future in loading:  # loads not started are dropped; a running one finishes
+                    if not future.cancel():
+                        with contextlib.suppress(Exception):
+                            future.exception()
+                with contextlib.suppress(Exception):  # keep the original error
+                    backend.abort_weight_update()
+                raise
+
+    def close(self) -> None:
+        """Free the buckets. Idempotent; a later ``refit`` makes new ones."""
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    def __enter__(self) -> Refitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def refit(
     backend: GenerationInterface,
     state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -108,51 +200,10 @@ def refit(
     devices: Sequence[torch.device | int | str] | None = None,
     buffers: int = 2,
 ) -> int:
-    """Load ``state_dict`` into ``backend`` as one verified transaction, streamed.
-
-    ``start_weight_update(version)``, then one ``update_weights_from_ipc_handles`` per bucket
-    while the next bucket is filled, then ``commit_weight_update()``. If anything fails the
-    transaction is aborted (``abort_weight_update``) and the error raised.
-
-    Args:
-        backend: any backend with weight-update transactions.
-        state_dict: every weight of the model, ``{name: tensor}`` or pairs, on one device.
-        version: the weight version to commit; default: the backend's current one plus one.
-        bucket_bytes: bytes per bucket.
-        devices: GPUs to place a copy on, one per generation GPU (see ``share_weights``).
-        buffers: buckets per place (2: double buffering).
-
-    Returns:
-        The committed weight version.
-
-    Raises:
-        WeightUpdateError: the backend refused or failed the update (it was aborted).
-        ValueError: a name repeats or the tensors sit on several devices without ``devices``.
-    """
-    tensors = named_tensors(state_dict)
-    groups = plan_buckets(tensors, bucket_bytes)
-    places = resolve_places(tensors, devices)
-    with BucketRing(places, bucket_bytes, buffers) as ring, ThreadPoolExecutor(1) as loader:
-        backend.start_weight_update(version)
-        loading: list[Future[None]] = []
-        try:
-            for index, group in enumerate(groups):
-                # This slot's previous bucket was loaded before the previous one was sent.
-                handles = ring.fill(index % ring.count, group)
-                if len(loading) >= ring.count - 1 and loading:
-                    loading.pop(0).result()
-                loading.append(loader.submit(backend.update_weights_from_ipc_handles, handles))
-            for future in loading:
-                future.result()
-            return backend.commit_weight_update()
-        except BaseException:
-            for future in loading:
-                future.cancel()
-            with contextlib.suppress(Exception):
-                for future in loading:
-                    future.exception()
-                backend.abort_weight_update()
-            raise
+    """One streamed refit with buckets of its own (see ``Refitter.refit``); a training loop that
+    refits every step keeps a ``Refitter`` instead, so its buckets are reused."""
+    with Refitter(backend, bucket_bytes=bucket_bytes, devices=devices, buffers=buffers) as once:
+        return once.refit(state_dict, version=version)
 
 
 def _free(allocation: Allocation) -> None:

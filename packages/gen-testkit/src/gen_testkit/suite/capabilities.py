@@ -123,7 +123,6 @@ class CapabilityProperties(SuiteBase):
             "a refused update changed outputs"
         )
 
-
     def test_a_streamed_refit_equals_a_one_shot_update(self, subject: ConformanceSubject):
         """``refit`` through buckets smaller than the model (several loads, one transaction)
         gives what one ``update_weights_from_ipc_handles`` gives, and commits its version."""

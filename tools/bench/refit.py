@@ -1,0 +1,227 @@
+"""How fast a refit moves a trainer's weights into a backend, against a plain memory copy.
+
+    uv run python tools/bench/refit.py [--models bench-50m,bench-250m] [--reps 3]
+
+For each random float32 model, in one run: a plain copy of the same tensors (``dst.copy_(src)``,
+the ceiling), then every refit path into gen-hf and into gen-vllm with one and with two
+replicas, each repeated and interleaved with the copy so that load from elsewhere falls on all
+alike. Paths: ``refit`` (streamed through two reusable shared-memory buckets), ``one-shot``
+(``share_weights`` + one ``update_weights_from_ipc_handles``), and for vLLM ``collective``
+(``WeightBroadcaster`` over gloo). Every path is a complete, verified transaction.
+
+Reports, per path, the best time, GB/s (model bytes / seconds), the ratio to the copy's GB/s,
+and the peak extra memory of the trainer (this process's private memory plus shared memory in
+use) and of a worker (the worker process's private memory; the backend's own process for HF).
+Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+import torch
+from gen_interface import configure_generation_config
+from gen_interface.weights import Refitter, WeightBroadcaster, share_weights
+from gen_testkit.models import build_tiny_model
+
+GB = 1e9  # GB/s in decimal gigabytes
+MIB = 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="bench-50m,bench-250m", help="testkit presets")
+    parser.add_argument("--backends", default="hf,vllm1,vllm2", help="hf, vllm1, vllm2")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every path")
+    parser.add_argument("--bucket-mib", type=int, default=64, help="streaming bucket size")
+    return parser.parse_args()
+
+
+class MemoryPeak:
+    """Samples private memory (RssAnon) of some processes and shared memory in use; keeps peaks
+    above the start."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.base = self._now()
+        self.peak = dict(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> MemoryPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def extra(self, key: str) -> int:
+        return self.peak[key] - self.base[key]
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for key, value in self._now().items():
+                self.peak[key] = max(self.peak[key], value)
+            time.sleep(0.001)
+
+    def _now(self) -> dict[str, int]:
+        out = {name: _rss_anon(pid) for name, pid in self.pids.items()}
+        shm = os.statvfs("/dev/shm")
+        out["shm"] = (shm.f_blocks - shm.f_bfree) * shm.f_frsize
+        return out
+
+
+def _rss_anon(pid: int) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"^RssAnon:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def timed(run: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def build_backend(kind: str, model_path: str) -> Any:
+    tokenizer = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
+    config: dict[str, Any] = {
+        "backend": "hf" if kind == "hf" else "vllm",
+        "model_name": model_path,
+        "max_new_tokens": 4,
+        "dtype": "float32",
+        "stop_token_ids": [],
+    }
+    if kind == "hf":
+        from gen_hf import HfGeneration
+
+        return HfGeneration(
+            configure_generation_config(dict(config, hf_cfg={"device": "cpu"}), tokenizer)
+        )
+    from gen_vllm import VllmGeneration
+
+    config["vllm_cfg"] = {"cpu_kv_cache_gib": 0.25}
+    return VllmGeneration.create(
+        configure_generation_config(config, tokenizer),
+        replicas=int(kind.removeprefix("vllm")),
+        use_gpus=False,
+    )
+
+
+def worker_pid(kind: str, backend: Any) -> int:
+    return os.getpid() if kind == "hf" else backend.replicas.infos[0]["pid"]
+
+
+def paths_for(kind: str, backend: Any, bucket: int) -> dict[str, Callable[[dict], Any]]:
+    refitter = Refitter(backend, bucket_bytes=bucket)  # keeps its buckets, as a training loop would
+
+    def one_shot(weights: dict) -> None:
+        with share_weights(weights) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+
+    paths: dict[str, Callable[[dict], Any]] = {
+        "refit (streamed shm)": refitter.refit,
+        "one-shot shm": one_shot,
+    }
+    if kind != "hf":
+        broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=600)
+        paths["collective (gloo)"] = broadcaster.refit
+    return paths
+
+
+def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> list[dict]:
+    """Every path into one backend, interleaved with the copy, ``args.reps`` times."""
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    copies = {k: torch.empty_like(v) for k, v in weights.items()}
+
+    def copy() -> None:
+        for name, tensor in weights.items():
+            copies[name].copy_(tensor)
+
+    copy()
+    backend = build_backend(kind, str(build_tiny_model(preset).path))
+    try:
+        paths = paths_for(kind, backend, args.bucket_mib * MIB)
+        best = dict.fromkeys(paths, float("inf"))
+        best_copy = float("inf")
+        memory: dict[str, tuple[int, int]] = {}
+        pids = {"trainer": os.getpid(), "worker": worker_pid(kind, backend)}
+        for _ in range(args.reps):
+            best_copy = min(best_copy, timed(copy))
+            for name, run in paths.items():
+                with MemoryPeak(pids) as peak:
+                    best[name] = min(best[name], timed(lambda run=run: run(weights)))
+                # HF runs in this process: its private memory counts as the worker's.
+                private = peak.extra("trainer") if kind != "hf" else 0
+                trainer, worker = memory.get(name, (0, 0))  # the largest over repetitions:
+                memory[name] = (  # the first streamed refit allocates the buckets it keeps
+                    max(trainer, peak.extra("shm") + private),
+                    max(worker, peak.extra("worker")),
+                )
+    finally:
+        backend.shutdown()
+    copy_gbs = nbytes / best_copy / GB
+    label = {"hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[kind]
+    rows = []
+    for name, seconds in best.items():
+        gbs = nbytes / seconds / GB
+        rows.append(
+            {
+                "model": preset,
+                "backend": label,
+                "path": name,
+                "seconds": seconds,
+                "gb_s": gbs,
+                "copy_gb_s": copy_gbs,
+                "ratio": gbs / copy_gbs,
+                "trainer_extra_mib": memory[name][0] / MIB,
+                "worker_extra_mib": memory[name][1] / MIB,
+            }
+        )
+        print(
+            f"  {label:12s} {name:22s} {seconds:7.3f} s {gbs:6.2f} GB/s  x{gbs / copy_gbs:.2f} "
+            f"of copy ({copy_gbs:.2f} GB/s)  trainer +{memory[name][0] / MIB:.0f} MiB  worker "
+            f"+{memory[name][1] / MIB:.0f} MiB",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> list[dict[str, Any]]:
+    args = parse_args()
+    rows: list[dict[str, Any]] = []
+    for preset in args.models.split(","):
+        model = build_tiny_model(preset)
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        print(
+            f"{preset}: {model.spec.parameter_count() / 1e6:.0f}M parameters, "
+            f"{nbytes / GB:.2f} GB float32, {args.bucket_mib} MiB buckets",
+            flush=True,
+        )
+        for kind in args.backends.split(","):
+            rows.extend(measure(kind, preset, weights, args))
+    print()
+    print("| model | backend | path | s | GB/s | ratio to copy | trainer +MiB | worker +MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['backend']} | {r['path']} | {r['seconds']:.3f} | "
+            f"{r['gb_s']:.2f} | {r['ratio']:.2f} (copy {r['copy_gb_s']:.2f} GB/s) | "
+            f"{r['trainer_extra_mib']:.0f} | {r['worker_extra_mib']:.0f} |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
