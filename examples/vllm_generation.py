@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> BatchedDataDict:
     parser.add_argument("--model", help="model directory or hub name (default: a tiny model)")
     parser.add_argument("--replicas", type=int, default=1, help="data-parallel vLLM engines")
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument(
-        "--cpu", action="store_true", help="run on CPUs even where Ray sees GPUs"
-    )
+    parser.add_argument("--cpu", action="store_true", help="run on CPUs even where Ray sees GPUs")
     args = parser.parse_args(argv)
     if args.model is None:
         from gen_testkit.models import build_tiny_model
