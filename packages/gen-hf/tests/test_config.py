@@ -43,7 +43,7 @@ def test_unknown_hf_cfg_key_and_non_dict_are_refused(
 ):
     with pytest.raises(GenerationConfigError, match="max_batchsize"):
         HfGeneration(make_config(tiny_qwen2, hf_cfg={"max_batchsize": 4}))
-    with pytest.raises(GenerationConfigError, match="hf_cfg must be a dict"):
+    with pytest.raises(GenerationConfigError, match="`hf_cfg` must be a dict"):
         HfGeneration(make_config(tiny_qwen2, hf_cfg=3))
 
 

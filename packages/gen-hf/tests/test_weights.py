@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 import torch
 from gen_hf import HfConfig, HfGeneration
-from gen_interface import BatchedDataDict, WeightUpdateError
+from gen_interface import (
+    BatchedDataDict,
+    WeightsAbsentError,
+    WeightUpdateError,
+    configure_generation_config,
+)
 from gen_interface.weights import refit, share_weights
 from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
@@ -168,3 +173,22 @@ def test_float32_masters_into_a_bfloat16_model_equal_its_own_cast(
     finally:
         target.shutdown()
         fresh.shutdown()
+
+
+def test_a_model_built_without_its_checkpoint_generates_only_after_the_first_refit(
+    tiny_qwen2: TinyModel, make_config: Callable[..., HfConfig], backend: HfGeneration
+):
+    config = configure_generation_config(
+        make_config(tiny_qwen2, stop_token_ids=[]), None, is_eval=False
+    )
+    unloaded = HfGeneration(config)
+    try:
+        assert unloaded.config["hf_cfg"]["load_format"] == "dummy"
+        with pytest.raises(WeightsAbsentError, match="first weight update"):
+            greedy(unloaded)
+        version = refit(unloaded, tiny_qwen2.state_dict(), bucket_bytes=64 * 1024)
+        out = greedy(unloaded)
+        assert_same(out, greedy(backend))
+        assert out["weight_version"].tolist() == [version] * len(PROMPTS)
+    finally:
+        unloaded.shutdown()

@@ -1,5 +1,8 @@
+from typing import TypedDict
+
 import pytest
 from gen_interface import (
+    GenerationConfig,
     GenerationConfigError,
     configure_generation_config,
     validate_generation_config,
@@ -36,7 +39,7 @@ def test_valid_configs_pass(config):
 
 
 def test_configure_fills_defaults_without_mutating_its_argument():
-    original = dict(BASE, temperature=0.5, vllm_cfg={"tensor_parallel_size": 1})
+    original = dict(BASE, temperature=0.5, hf_cfg={"max_batch_size": 1})
     snapshot = {k: (dict(v) if isinstance(v, dict) else v) for k, v in original.items()}
     config = configure_generation_config(original, Tok(None, 2))
     assert original == snapshot
@@ -44,7 +47,7 @@ def test_configure_fills_defaults_without_mutating_its_argument():
     assert config["stop_token_ids"] == [2]
     assert config["temperature"] == 0.5 and config["top_p"] == 1.0 and config["top_k"] is None
     assert config["logprobs_mode"] == "raw" and config["colocated"] == {"enabled": False}
-    assert config["vllm_cfg"] == {"tensor_parallel_size": 1}
+    assert config["hf_cfg"] == {"max_batch_size": 1}
     config["colocated"]["enabled"] = True
     assert configure_generation_config(original, Tok(0, 2))["colocated"] == {"enabled": False}
 
@@ -67,22 +70,40 @@ def test_per_call_overrides_change_only_per_call_settings():
         with_per_call_overrides(config, {"top_p": 0.0})
 
 
-def test_backend_settings_are_completed_and_checked_by_name():
-    config = configure_generation_config(dict(BASE, x_cfg={"size": 4}), Tok(0, 2))
-    out, settings = complete_backend_settings(config, "x_cfg", {"size": 1, "mode": "a"})
+class XSettings(TypedDict, total=False):
+    size: int
+    mode: str
+
+
+class XConfig(GenerationConfig, total=False):
+    x_cfg: XSettings
+
+
+def test_backend_settings_are_completed_and_checked_by_path():
+    config = configure_generation_config(BASE, Tok(0, 2))
+    config = dict(config, x_cfg={"size": 4})
+    defaults = {"size": 1, "mode": "a"}
+    out, settings = complete_backend_settings(config, "x_cfg", defaults, schema=XConfig)
     assert settings == {"size": 4, "mode": "a"} and out is not config
     check_int_setting(settings, "x_cfg", "size", minimum=4)
     with pytest.raises(GenerationConfigError, match=r"x_cfg\.size must be an integer >= 5"):
         check_int_setting(settings, "x_cfg", "size", minimum=5)
-    with pytest.raises(GenerationConfigError, match="unknown keys \\['other'\\]; known"):
-        complete_backend_settings(dict(config, x_cfg={"other": 1}), "x_cfg", {"size": 1})
-    with pytest.raises(GenerationConfigError, match="x_cfg must be a dict"):
-        complete_backend_settings(dict(config, x_cfg=[]), "x_cfg", {"size": 1})
+    with pytest.raises(
+        GenerationConfigError, match=r"unknown key `x_cfg\.sise`: did you mean `size`"
+    ):
+        complete_backend_settings(
+            dict(config, x_cfg={"sise": 1}), "x_cfg", defaults, schema=XConfig
+        )
+    with pytest.raises(GenerationConfigError, match="`x_cfg` must be a dict"):
+        complete_backend_settings(dict(config, x_cfg=[]), "x_cfg", defaults, schema=XConfig)
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
 def test_seeds_outside_64_bits_are_refused(seed):
-    with pytest.raises(GenerationConfigError, match=r"seed must be .*\[0, 18446744073709551615\]"):
+    # Not an integer: refused by type; out of range: refused by range.
+    in_words = r"`seed` must be an integer or null" if isinstance(seed, bool | float) else None
+    in_range = r"seed must be .*\[0, 18446744073709551615\]"
+    with pytest.raises(GenerationConfigError, match=in_words or in_range):
         configure_generation_config(dict(BASE, seed=seed), Tok(0, 2))
 
 

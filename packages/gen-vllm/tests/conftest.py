@@ -37,11 +37,20 @@ class EngineCache:
     def __init__(self):
         self._engines: dict[tuple, tuple] = {}
 
-    def get(self, model, *, replicas: int = 1, logprobs_mode: str = "raw", **overrides):
+    def get(
+        self, model, *, replicas: int = 1, logprobs_mode: str = "raw", vllm_cfg=None, **overrides
+    ):
         from gen_testkit.conformance import conformance_config
         from gen_vllm import RayVirtualCluster, VllmGeneration
 
-        key = (str(model.path), replicas, logprobs_mode, tuple(sorted(overrides.items())))
+        vllm_cfg = {"cpu_kv_cache_gib": KV_GIB, **(vllm_cfg or {})}
+        key = (
+            str(model.path),
+            replicas,
+            logprobs_mode,
+            tuple(sorted(overrides.items())),
+            tuple(sorted(vllm_cfg.items())),
+        )
         if key not in self._engines:
             cluster = RayVirtualCluster([replicas], use_gpus=False, num_cpus_per_bundle=1)
             config = conformance_config(
@@ -49,7 +58,7 @@ class EngineCache:
                 model_name=str(model.path),
                 vocab_size=model.vocab_size,
                 logprobs_mode=logprobs_mode,
-                vllm_cfg={"cpu_kv_cache_gib": KV_GIB},
+                vllm_cfg=vllm_cfg,
                 **overrides,
             )
             self._engines[key] = (cluster, VllmGeneration(cluster, config))

@@ -30,7 +30,7 @@ def test_defaults_are_filled_and_the_argument_is_not_changed():
         ("cpu_kv_cache_gib", 0),
         ("enforce_eager", "yes"),
         ("load_tokenizer", "maybe"),
-        ("engine_kwargs", []),
+        ("engine_kwargs", {"block_size": 32}),
         ("no_such_key", 1),
     ],
 )
@@ -41,9 +41,7 @@ def test_bad_engine_settings_are_refused_by_name(key, value):
 
 def test_engine_args_on_cpu_and_gpu():
     config = complete_vllm_config(
-        dict(
-            BASE, logprobs_mode="processed", seed=7, vllm_cfg={"engine_kwargs": {"block_size": 32}}
-        )
+        dict(BASE, logprobs_mode="processed", seed=7, vllm_kwargs={"block_size": 32})
     )
     cpu = engine_args_for(config, use_gpus=False)
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["seed"] == 7

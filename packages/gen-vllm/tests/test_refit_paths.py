@@ -1,6 +1,7 @@
 """Every refit path into real vLLM engines gives what a fresh engine loaded from the same weights
-on disk gives: a streamed shared-memory refit, and the collective path (gloo, the trainer here
-as rank 0, every worker a Ray actor)."""
+on disk gives: a streamed shared-memory refit, the collective path (gloo, the trainer here as
+rank 0, every worker a Ray actor), and the first refit of an engine started without reading its
+checkpoint (``load_format: dummy``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from gen_interface import WeightsAbsentError
 from gen_interface.weights import WeightBroadcaster, refit
 from gen_testkit.strategies import pad_prompts
 
@@ -74,3 +76,17 @@ def test_the_collective_path_gives_what_a_fresh_engine_gives(
     finally:
         broadcaster.close()
     assert torch.equal(greedy(backend)["logprobs"], before["logprobs"])
+
+
+def test_an_engine_started_without_its_checkpoint_generates_only_after_the_first_refit(
+    engines, tiny_qwen2
+):
+    unloaded = engines.get(tiny_qwen2, replicas=1, vllm_cfg={"load_format": "dummy"})
+    with pytest.raises(WeightsAbsentError, match="first weight update"):
+        greedy(unloaded)
+    with pytest.raises(WeightsAbsentError):  # refused again: nothing ran, nothing changed
+        greedy(unloaded)
+    version = refit(unloaded, tiny_qwen2.state_dict(), bucket_bytes=256 * 1024)
+    out = greedy(unloaded)
+    assert_same_as_fresh(out, greedy(engines.get(tiny_qwen2, replicas=1)))
+    assert out["weight_version"].tolist() == [version] * len(PROMPTS)

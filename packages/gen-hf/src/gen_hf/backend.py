@@ -12,7 +12,7 @@ import dataclasses
 import gc
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from gen_interface import (
@@ -32,7 +32,7 @@ from gen_interface import (
     with_per_call_overrides,
 )
 from gen_interface.decoding import StopRules
-from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
+from gen_interface.lifecycle import DUMMY_WEIGHTS, Lifecycle, LifecycleView, Resource
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
@@ -69,6 +69,9 @@ class HfGeneration(GenerationInterface):
     Model access is serialised by a lock, so ``generate_async``'s thread is safe.
     """
 
+    config_schema: ClassVar[type] = HfConfig
+    settings_key: ClassVar[str | None] = "hf_cfg"
+
     def __init__(self, config: HfConfig):
         """Load the model (and, for stop strings, the tokenizer) named by ``config``.
 
@@ -102,7 +105,11 @@ class HfGeneration(GenerationInterface):
         self._lock = threading.Lock()
         self._targets: dict[str, torch.Tensor] | None = None
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
-            "HfGeneration", wake=self._wake, release=self._release, close=self._close
+            "HfGeneration",
+            wake=self._wake,
+            release=self._release,
+            close=self._close,
+            weights_absent=DUMMY_WEIGHTS if hf_cfg["load_format"] == "dummy" else None,
         )
         self._weights = WeightUpdates(
             self._lifecycle,

@@ -28,6 +28,7 @@ class HfSpecificArgs(TypedDict, total=False):
     attn_implementation: AttnImplementation  # transformers attention kernel ("eager")
     max_batch_size: int  # most rows per forward pass; larger batches run in chunks (64)
     max_model_len: int | None  # longest prompt + generation; None = the model's limit (None)
+    load_format: Literal["auto", "dummy"]  # "dummy": build from config.json, weights by update
     load_tokenizer: bool | Literal["auto"]  # tokenizer for stop strings ("auto": if it loads)
     trust_remote_code: bool  # passed to from_pretrained (False)
     model_kwargs: dict[str, Any]  # anything else for from_pretrained, as is ({})
@@ -39,6 +40,7 @@ HF_CFG_DEFAULTS: HfSpecificArgs = {
     "attn_implementation": "eager",
     "max_batch_size": 64,
     "max_model_len": None,
+    "load_format": "auto",
     "load_tokenizer": "auto",
     "trust_remote_code": False,
     "model_kwargs": {},
@@ -70,12 +72,7 @@ def complete_hf_config(config: Mapping[str, Any]) -> HfConfig:
         GenerationConfigError: a field is missing or out of range; ``hf_cfg`` fields are named
             ``hf_cfg.<key>``.
     """
-    out, cfg = complete_backend_settings(
-        config,
-        "hf_cfg",
-        HF_CFG_DEFAULTS,
-        hint="pass other from_pretrained arguments in hf_cfg.model_kwargs",
-    )
+    out, cfg = complete_backend_settings(config, "hf_cfg", HF_CFG_DEFAULTS, schema=HfConfig)
     _check_device(cfg["device"])
     if cfg["attn_implementation"] not in _ATTN_IMPLEMENTATIONS:
         raise GenerationConfigError(

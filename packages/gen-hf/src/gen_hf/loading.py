@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import torch
 from gen_interface import BackendUnavailableError, GenerationConfigError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 __all__ = ["LoadedModel", "load_model", "load_tokenizer_decode", "move_model", "resolve_device"]
 
@@ -66,7 +66,9 @@ def move_model(model: torch.nn.Module, device: torch.device | str) -> None:
 
 
 def load_model(config: Mapping[str, Any], device: torch.device) -> LoadedModel:
-    """Load ``config["model_name"]`` with ``AutoModelForCausalLM`` onto ``device``.
+    """Load ``config["model_name"]`` with ``AutoModelForCausalLM`` onto ``device``; with
+    ``hf_cfg.load_format`` ``"dummy"``, build the architecture from its ``config.json`` only
+    (randomly initialised: the first weight update brings the weights).
 
     Args:
         config: a completed ``HfConfig`` (see ``complete_hf_config``).
@@ -82,13 +84,24 @@ def load_model(config: Mapping[str, Any], device: torch.device) -> LoadedModel:
     dtype_name = config.get("dtype", "auto")
     dtype: str | torch.dtype = "auto" if dtype_name == "auto" else _DTYPES[dtype_name]
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            config["model_name"],
-            dtype=dtype,
-            attn_implementation=hf_cfg["attn_implementation"],
-            trust_remote_code=hf_cfg["trust_remote_code"],
-            **hf_cfg["model_kwargs"],
-        )
+        if hf_cfg["load_format"] == "dummy":  # the architecture only: weights come by update
+            model_config = AutoConfig.from_pretrained(
+                config["model_name"], trust_remote_code=hf_cfg["trust_remote_code"]
+            )
+            model = AutoModelForCausalLM.from_config(
+                model_config,
+                dtype=model_config.dtype if dtype == "auto" else dtype,
+                attn_implementation=hf_cfg["attn_implementation"],
+                trust_remote_code=hf_cfg["trust_remote_code"],
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                config["model_name"],
+                dtype=dtype,
+                attn_implementation=hf_cfg["attn_implementation"],
+                trust_remote_code=hf_cfg["trust_remote_code"],
+                **hf_cfg["model_kwargs"],
+            )
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise GenerationConfigError(
             f"model_name {config['model_name']!r} could not be loaded as a causal LM by "

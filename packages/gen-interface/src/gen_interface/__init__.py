@@ -20,6 +20,7 @@ from gen_interface.errors import (
     GenerationConfigError,
     GenerationError,
     GenerationInputError,
+    WeightsAbsentError,
     WeightUpdateError,
 )
 from gen_interface.inputs import PromptBatch, normalize_generation_input
@@ -71,6 +72,7 @@ __all__ = [
     "TokenizerLike",
     "WeightTransport",
     "WeightUpdateError",
+    "WeightsAbsentError",
     "__version__",
     "available_backends",
     "build_generation_output",

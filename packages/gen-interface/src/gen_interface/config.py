@@ -5,11 +5,16 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from gen_interface.errors import GenerationConfigError
+from gen_interface.errors import BackendUnavailableError, GenerationConfigError
+from gen_interface.nemo_rl_keys import NEMO_RL_KEYS
 from gen_interface.sampling import MAX_SEED
+from gen_interface.schema import ForeignKeys, check_config
 from gen_interface.specs import GenerationConfig
+
+if TYPE_CHECKING:
+    from gen_interface.interface import GenerationInterface
 
 __all__ = [
     "GENERATION_CONFIG_DEFAULTS",
@@ -56,20 +61,29 @@ class TokenizerLike(Protocol):
     eos_token_id: int | None
 
 
-def configure_generation_config(config: ConfigT, tokenizer: TokenizerLike | None) -> ConfigT:
+def configure_generation_config(
+    config: ConfigT, tokenizer: TokenizerLike | None, *, is_eval: bool | None = None
+) -> ConfigT:
     """Return a new, complete, validated copy of ``config``; the argument is not changed.
 
     Fills defaults (``GENERATION_CONFIG_DEFAULTS``), ``pad_token_id`` from the tokenizer (its pad
     token, else its eos token) and ``stop_token_ids`` = ``[eos_token_id]`` when None or absent.
-    Keys the caller set are kept; backend-specific keys pass through untouched.
+    Keys the caller set are kept. Every key at every level must be declared by the backend's
+    ``config_schema`` (or be one of NeMo RL's keys with an inert value, ``NEMO_RL_KEYS``).
 
     Args:
         config: a ``GenerationConfig`` or a backend's extension of it.
         tokenizer: anything with ``pad_token_id`` and ``eos_token_id``; None when the config
             already names ``pad_token_id`` and ``stop_token_ids``.
+        is_eval: NeMo RL's switch, setting the backend's ``load_format``. None (the default):
+            left as configured, which loads the checkpoint. True: load the checkpoint
+            (``"auto"``). False, for a training run: start without reading the checkpoint
+            (``"dummy"``), since the first weight update brings the weights; ``generate``
+            refuses until that update commits. NeMo RL's default is False.
 
     Raises:
-        GenerationConfigError: a field is missing or out of range, naming it and its range.
+        GenerationConfigError: a key is unknown or misplaced, or a field is missing, of the wrong
+            type or out of range; the message names its dotted path.
     """
     out: dict[str, Any] = copy.deepcopy(dict(config))
     for key, value in GENERATION_CONFIG_DEFAULTS.items():
@@ -80,19 +94,36 @@ def configure_generation_config(config: ConfigT, tokenizer: TokenizerLike | None
         out["pad_token_id"] = pad if pad is not None else eos
     if out.get("stop_token_ids") is None:
         out["stop_token_ids"] = [eos] if eos is not None else []
+    if is_eval is not None:
+        _set_load_format(out, is_eval)
     validate_generation_config(out)
     return cast(ConfigT, out)
 
 
-def validate_generation_config(config: Mapping[str, Any]) -> None:
-    """Check that ``config`` is complete and every field is in range.
+def validate_generation_config(
+    config: Mapping[str, Any], *, schema: type | None = None, foreign: ForeignKeys | None = None
+) -> None:
+    """Check that ``config`` is complete, every key is known and every field is in range.
 
     Backends call this in their constructor so a config that skipped
     ``configure_generation_config`` fails there, not in the middle of a generate call.
 
+    Args:
+        config: the config to check.
+        schema: the TypedDict declaring its keys; default: the ``config_schema`` of the installed
+            backend named by ``config["backend"]`` (``GenerationConfig`` if none is).
+        foreign: undeclared keys accepted at levels below the top (the backend's
+            ``config_foreign_keys`` by default); NeMo RL's own are always added.
+
     Raises:
-        GenerationConfigError: naming the first field that is missing or out of range.
+        GenerationConfigError: naming the first field that is unknown, missing, of the wrong type
+            or out of range.
     """
+    if schema is None:
+        backend = _installed_backend(config.get("backend"))
+        schema = backend.config_schema if backend is not None else GenerationConfig
+        foreign = backend.config_foreign_keys if backend is not None else foreign
+    check_config(config, schema, foreign=_with_nemo_rl_keys(foreign or {}))
     for key in ("backend", "model_name"):
         value = config.get(key)
         if not isinstance(value, str) or not value:
@@ -156,32 +187,26 @@ def with_per_call_overrides(config: ConfigT, overrides: Mapping[str, Any]) -> di
 
 
 def complete_backend_settings(
-    config: Mapping[str, Any], key: str, defaults: Mapping[str, Any], *, hint: str = ""
+    config: Mapping[str, Any],
+    key: str,
+    defaults: Mapping[str, Any],
+    *,
+    schema: type,
+    foreign: ForeignKeys | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Validate the generation keys of a backend's config and fill its own ``config[key]``.
+    """Validate a backend's config against its ``schema`` and fill its own ``config[key]``.
 
     Returns:
         ``(a deep copy of config, its settings dict with every default filled)``; the caller
         checks the settings' values and stores them back under ``key``.
 
     Raises:
-        GenerationConfigError: a generation field is out of range, ``config[key]`` is not a dict,
-            or it holds keys ``defaults`` does not know (``hint`` says where those belong).
+        GenerationConfigError: a key is unknown at any level, or a generation field is of the
+            wrong type or out of range.
     """
-    validate_generation_config(config)
+    validate_generation_config(config, schema=schema, foreign=foreign)
     out = copy.deepcopy(dict(config))
-    given = out.get(key)
-    if given is None:
-        given = {}
-    if not isinstance(given, Mapping):
-        raise GenerationConfigError(f"{key} must be a dict, got {type(given).__name__}")
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        extra = f" ({hint})" if hint else ""
-        raise GenerationConfigError(
-            f"{key} has unknown keys {unknown}; known: {sorted(defaults)}{extra}"
-        )
-    return out, {**copy.deepcopy(dict(defaults)), **given}
+    return out, {**copy.deepcopy(dict(defaults)), **(out.get(key) or {})}
 
 
 def check_int_setting(
@@ -240,3 +265,39 @@ def _id_list_field(config: Mapping[str, Any], key: str) -> None:
         raise GenerationConfigError(
             f"{key} must be None or a list of token ids (integers >= 0), got {value!r}"
         )
+
+
+def _installed_backend(name: object) -> type[GenerationInterface] | None:
+    """The backend class called ``name``, or None when none is installed under that name."""
+    from gen_interface.registry import available_backends, load_backend
+
+    if not isinstance(name, str) or name not in available_backends():
+        return None
+    try:
+        return load_backend(name)
+    except BackendUnavailableError:
+        return None
+
+
+def _with_nemo_rl_keys(foreign: ForeignKeys) -> dict[str, dict[str, Any]]:
+    levels = {level: dict(keys) for level, keys in foreign.items()}
+    for level, keys in NEMO_RL_KEYS.items():
+        levels[level] = {**keys, **levels.get(level, {})}
+    return levels
+
+
+def _set_load_format(config: dict[str, Any], is_eval: bool) -> None:
+    backend = _installed_backend(config.get("backend"))
+    key = backend.settings_key if backend is not None else None
+    if key is None:
+        if not is_eval:
+            raise GenerationConfigError(
+                f"backend {config.get('backend')!r} cannot start without its weights "
+                "(is_eval=False): it has no load_format; leave is_eval out"
+            )
+        return
+    settings = config.get(key)
+    config[key] = {
+        **(settings if isinstance(settings, Mapping) else {}),
+        "load_format": "auto" if is_eval else "dummy",
+    }

@@ -13,6 +13,7 @@ __all__ = [
     "GenerationError",
     "GenerationInputError",
     "WeightUpdateError",
+    "WeightsAbsentError",
 ]
 
 
@@ -41,3 +42,9 @@ class WeightUpdateError(GenerationError):
 
 class BackendUnavailableError(GenerationError):
     """A backend is not installed, not registered, or cannot run on this machine."""
+
+
+class WeightsAbsentError(GenerationError):
+    """``generate`` before the backend has real weights: it started without reading its
+    checkpoint (``load_format: dummy``) and no weight update has committed yet. Nothing ran; the
+    backend is usable, and generates once an update commits."""

@@ -6,11 +6,12 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.schema import ForeignKeys
 from gen_interface.specs import (
     GenerationConfig,
     GenerationDatumSpec,
@@ -65,6 +66,16 @@ class GenerationInterface(ABC):
     """
 
     config: GenerationConfig
+
+    #: The TypedDict declaring every key of this backend's config (``GenerationConfig`` extended
+    #: with the backend's own settings); ``configure_generation_config`` refuses any other key.
+    config_schema: ClassVar[type] = GenerationConfig
+    #: Undeclared keys that configs written for NeMo RL carry at each level below the top (e.g.
+    #: ``{"vllm_cfg": {...}}``), accepted while inert, refused with a reason otherwise.
+    config_foreign_keys: ClassVar[ForeignKeys] = {}
+    #: The level holding the backend's own settings (``"vllm_cfg"``), where
+    #: ``configure_generation_config(..., is_eval=...)`` sets ``load_format``; None: no such level.
+    settings_key: ClassVar[str | None] = None
 
     @classmethod
     def create(cls, config: GenerationConfig, **kwargs: Any) -> GenerationInterface:

@@ -31,15 +31,28 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
-from gen_interface.errors import GenerationError, GenerationInputError, WeightUpdateError
+from gen_interface.errors import (
+    GenerationError,
+    GenerationInputError,
+    WeightsAbsentError,
+    WeightUpdateError,
+)
 
-__all__ = ["RESOURCES", "Lifecycle", "LifecycleView", "Resource", "State"]
+__all__ = ["DUMMY_WEIGHTS", "RESOURCES", "Lifecycle", "LifecycleView", "Resource", "State"]
 
 State = Literal["ready", "finished", "shut down", "broken"]
 Resource = Literal["weights", "kv_cache"]
 
 #: Every resource, in the order they are woken (weights before the cache that depends on them).
 RESOURCES: tuple[Resource, ...] = ("weights", "kv_cache")
+
+
+#: ``weights_absent`` of a backend started without reading its checkpoint (``load_format:
+#: dummy``, ``configure_generation_config(..., is_eval=False)``).
+DUMMY_WEIGHTS = (
+    "it started with load_format 'dummy', without reading the checkpoint; the first weight "
+    "update brings the weights"
+)
 
 
 def _nothing_to_wake(resources: tuple[Resource, ...]) -> None:
@@ -234,7 +247,7 @@ class Lifecycle:
                 )
             )
         if self._weights_absent is not None:
-            raise GenerationError(
+            raise WeightsAbsentError(
                 f"this {self.name} has no real weights yet ({self._weights_absent}): generate "
                 "after the first weight update (update_weights_from_ipc_handles or a refit)"
             )

@@ -7,8 +7,17 @@ from typing import Any, Literal, TypedDict, cast
 
 from gen_interface import GenerationConfig, GenerationConfigError
 from gen_interface.config import check_int_setting, complete_backend_settings
+from gen_interface.nemo_rl_keys import falsy
+from gen_interface.schema import ForeignKey, ForeignKeys
 
-__all__ = ["VLLM_CFG_DEFAULTS", "VllmConfig", "VllmSpecificArgs", "complete_vllm_config"]
+__all__ = [
+    "NEMO_RL_ALIASES",
+    "VLLM_CFG_DEFAULTS",
+    "VLLM_FOREIGN_KEYS",
+    "VllmConfig",
+    "VllmSpecificArgs",
+    "complete_vllm_config",
+]
 
 
 class VllmSpecificArgs(TypedDict, total=False):
@@ -18,58 +27,72 @@ class VllmSpecificArgs(TypedDict, total=False):
     gpu_memory_utilization: float  # CUDA: fraction of each GPU for weights + KV cache (0.8)
     max_model_len: int | None  # longest prompt + generation; None = the model's limit
     cpu_kv_cache_gib: float  # CPU: KV-cache size per engine in GiB (1.0)
+    kv_cache_dtype: KvCacheDtype  # KV-cache element type ("auto": the model's dtype)
     enforce_eager: bool  # no CUDA graphs / torch.compile (True: fast start, needed on CPU)
     enable_prefix_caching: bool  # reuse KV of shared prompt prefixes across calls (True)
     max_num_seqs: int  # most sequences an engine runs at once (256)
+    load_format: LoadFormat  # "auto": read the checkpoint; "dummy": the first update brings them
     load_tokenizer: bool | Literal["auto"]  # tokenizer for stop strings ("auto": if present)
     enable_sleep_mode: bool | Literal["auto"]  # sleep in finish ("auto": colocated on CUDA)
-    engine_kwargs: dict[str, Any]  # anything else, passed to vllm.EngineArgs as is ({})
     startup_timeout_s: float  # how long an engine may take to start (900)
     generate_timeout_s: float  # how long one generate or score call may take (3600)
     update_timeout_s: float  # how long a weight update may take (900)
     control_timeout_s: float  # how long sleep, wake-up or a cache reset may take (300)
+    # NeMo RL's names, translated by complete_vllm_config and then dropped:
+    precision: str  # the top-level `dtype` ("bfloat16", "float16", "float32")
+    skip_tokenizer_init: bool  # not `load_tokenizer`
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"]  # the top-level logprobs_mode
+    async_engine: bool  # accepted either way: the engine core is always asynchronous
 
 
-#: Defaults for every ``vllm_cfg`` key.
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "dummy"]
+
+#: Defaults for every ``vllm_cfg`` key but NeMo RL's translated names.
 VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
     "tensor_parallel_size": 1,
     "gpu_memory_utilization": 0.8,
     "max_model_len": None,
     "cpu_kv_cache_gib": 1.0,
+    "kv_cache_dtype": "auto",
     "enforce_eager": True,
     "enable_prefix_caching": True,
     "max_num_seqs": 256,
+    "load_format": "auto",
     "load_tokenizer": "auto",
     "enable_sleep_mode": "auto",
-    "engine_kwargs": {},
     "startup_timeout_s": 900.0,
     "generate_timeout_s": 3600.0,
     "update_timeout_s": 900.0,
     "control_timeout_s": 300.0,
 }
 
+#: ``vllm_cfg`` keys of NeMo RL's that are translated to this project's names.
+NEMO_RL_ALIASES = ("precision", "skip_tokenizer_init", "logprobs_mode", "async_engine")
+
 
 class VllmConfig(GenerationConfig, total=False):
     """``GenerationConfig`` plus the vLLM engine settings (see ``VllmSpecificArgs``)."""
 
     vllm_cfg: VllmSpecificArgs
+    vllm_kwargs: dict[str, Any]  # any other vllm.EngineArgs field, checked against vLLM's ({})
 
 
 def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
     """A copy of ``config`` with every ``vllm_cfg`` default filled in, validated.
 
-    The generation keys must already be complete (``configure_generation_config``).
+    The generation keys must already be complete (``configure_generation_config``). NeMo RL's
+    ``vllm_cfg`` names (``NEMO_RL_ALIASES``) are translated; its other keys follow
+    ``VLLM_FOREIGN_KEYS``.
 
     Raises:
-        GenerationConfigError: a field is missing or out of range; ``vllm_cfg`` fields are named
-            ``vllm_cfg.<key>``.
+        GenerationConfigError: a key is unknown, or a field is missing or out of range; fields
+            are named by their path (``vllm_cfg.<key>``).
     """
     out, cfg = complete_backend_settings(
-        config,
-        "vllm_cfg",
-        VLLM_CFG_DEFAULTS,
-        hint="pass other engine arguments in vllm_cfg.engine_kwargs",
+        config, "vllm_cfg", VLLM_CFG_DEFAULTS, schema=VllmConfig, foreign=VLLM_FOREIGN_KEYS
     )
+    _translate_nemo_rl_names(out, cfg, given=out.get("vllm_cfg") or {})
     check_int_setting(cfg, "vllm_cfg", "tensor_parallel_size")
     check_int_setting(cfg, "vllm_cfg", "max_num_seqs")
     if cfg["max_model_len"] is not None:
@@ -78,18 +101,99 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
     _positive_number(cfg, "cpu_kv_cache_gib")
     for key in ("startup_timeout_s", "generate_timeout_s", "update_timeout_s", "control_timeout_s"):
         _positive_number(cfg, key)
-    for key in ("enforce_eager", "enable_prefix_caching"):
-        if not isinstance(cfg[key], bool):
-            raise GenerationConfigError(f"vllm_cfg.{key} must be a bool, got {cfg[key]!r}")
-    for key in ("load_tokenizer", "enable_sleep_mode"):
-        if cfg[key] not in (True, False, "auto"):
-            raise GenerationConfigError(
-                f"vllm_cfg.{key} must be true, false or 'auto', got {cfg[key]!r}"
-            )
-    if not isinstance(cfg["engine_kwargs"], Mapping):
-        raise GenerationConfigError("vllm_cfg.engine_kwargs must be a dict")
     out["vllm_cfg"] = cfg
+    out.setdefault("vllm_kwargs", {})
     return cast(VllmConfig, out)
+
+
+def _translate_nemo_rl_names(
+    out: dict[str, Any], cfg: dict[str, Any], given: Mapping[str, Any]
+) -> None:
+    precision = cfg.pop("precision", None)
+    if precision is not None:
+        if precision not in _PRECISIONS:
+            raise GenerationConfigError(
+                f"`vllm_cfg.precision` = {precision!r} is not supported: quantised rollouts are "
+                f"not; use one of {_PRECISIONS} (or the top-level `dtype`)"
+            )
+        if out.get("dtype", "auto") not in ("auto", precision):
+            raise GenerationConfigError(
+                f"`vllm_cfg.precision` ({precision!r}) contradicts `dtype` ({out['dtype']!r}): "
+                "set one of them (`dtype` is this project's name)"
+            )
+        out["dtype"] = precision
+    skip = cfg.pop("skip_tokenizer_init", None)
+    if skip is not None:
+        if "load_tokenizer" in given and given["load_tokenizer"] not in ("auto", not skip):
+            raise GenerationConfigError(
+                "`vllm_cfg.skip_tokenizer_init` contradicts `vllm_cfg.load_tokenizer`: set one "
+                "of them (`load_tokenizer` is this project's name)"
+            )
+        cfg["load_tokenizer"] = not skip
+    mode = cfg.pop("logprobs_mode", None)
+    if mode is not None:
+        wanted = mode.removesuffix("_logprobs")
+        if out.get("logprobs_mode", "raw") == "processed" and wanted == "raw":
+            raise GenerationConfigError(
+                "`vllm_cfg.logprobs_mode` ('raw_logprobs') contradicts `logprobs_mode` "
+                "('processed'): set the top-level `logprobs_mode` only"
+            )
+        out["logprobs_mode"] = wanted
+    cfg.pop("async_engine", None)
+
+
+_PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+def _only_one(reason: str) -> ForeignKey:
+    return ForeignKey.only(reason, 1)
+
+
+#: NeMo RL's ``vllm_cfg`` keys that this backend does not declare: accepted while off.
+VLLM_FOREIGN_KEYS: ForeignKeys = {
+    "vllm_cfg": {
+        "engine_kwargs": falsy(
+            "engine arguments go in the top-level `vllm_kwargs` (NeMo RL's name), where each "
+            "is checked against vllm.EngineArgs"
+        ),
+        "pipeline_parallel_size": _only_one(
+            "pipeline parallelism is not supported: an engine is tensor_parallel_size GPUs on "
+            "one node; use tensor_parallel_size, and more replicas to scale out"
+        ),
+        "expert_parallel_size": _only_one(
+            "expert parallelism is not supported: MoE models run tensor parallel "
+            "(tensor_parallel_size)"
+        ),
+        "cap_max_tokens_to_context": falsy(
+            "rows whose prompt plus max_new_tokens exceed max_model_len are refused, not "
+            "silently shortened; lower max_new_tokens or raise max_model_len"
+        ),
+        "enable_return_routed_experts": falsy("MoE routing replay is not supported"),
+        "use_tqdm": falsy("no progress bar: generate logs its progress through `logging`"),
+        "env_vars": falsy(
+            "set environment variables in the process that starts Ray; workers inherit them"
+        ),
+        **{
+            key: falsy(
+                "the OpenAI-style HTTP server is not part of this project: a training loop "
+                "calls generate / generate_async"
+            )
+            for key in (
+                "expose_http_server",
+                "http_server_serving_chat_kwargs",
+                "tool_parser_plugin",
+                "reasoning_parser_plugin",
+                "http_refit_api_key_env_var",
+                "http_refit_server_port",
+                "zmq_refit_server_port",
+            )
+        },
+        **{
+            key: falsy("multimodal and MXFP8 models are not supported")
+            for key in ("video", "is_mx", "reset_encoder_cache_after_weight_update")
+        },
+    }
+}
 
 
 def _positive_number(cfg: Mapping[str, Any], key: str) -> None:

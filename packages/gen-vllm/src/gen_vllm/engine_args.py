@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gen_vllm.config import VllmConfig
+from gen_interface import GenerationConfigError
 
-__all__ = ["engine_args_for", "resolve_dtype", "sleeps_on_finish", "wants_tokenizer"]
+from gen_vllm.config import VLLM_CFG_DEFAULTS, VllmConfig
+
+__all__ = [
+    "RESERVED_ENGINE_ARGS",
+    "check_vllm_kwargs",
+    "engine_arg_names",
+    "engine_args_for",
+    "resolve_dtype",
+    "sleeps_on_finish",
+    "wants_tokenizer",
+]
 
 _GIB = 1 << 30
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -65,6 +79,8 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
         "enforce_eager": cfg["enforce_eager"],
         "enable_prefix_caching": cfg["enable_prefix_caching"],
         "max_num_seqs": cfg["max_num_seqs"],
+        "kv_cache_dtype": cfg["kv_cache_dtype"],
+        "load_format": cfg["load_format"],
         "logprobs_mode": (
             "processed_logprobs" if config.get("logprobs_mode") == "processed" else "raw_logprobs"
         ),
@@ -81,5 +97,58 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             args["distributed_executor_backend"] = "ray"
     else:
         args["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gib"] * _GIB)
-    args.update(cfg["engine_kwargs"])
+    passed = config.get("vllm_kwargs") or {}
+    check_vllm_kwargs(passed)
+    args.update(passed)
     return args
+
+
+#: Engine arguments the backend sets itself, and the ``vllm_cfg`` key (or reason) behind each.
+RESERVED_ENGINE_ARGS: dict[str, str] = {
+    "model": "`model_name`",
+    "tokenizer": "`model_name` (the tokenizer is read from the model directory)",
+    "worker_extension_cls": "this backend's worker extension, which weight updates need",
+    "weight_transfer_config": "this backend's weight-transfer engine, which weight updates need",
+    "dtype": "the top-level `dtype`",
+    "seed": "the top-level `seed` (each request carries its own 64-bit seed)",
+    "logprobs_mode": "the top-level `logprobs_mode`",
+    "skip_tokenizer_init": "`vllm_cfg.load_tokenizer`",
+    "enable_sleep_mode": "`vllm_cfg.enable_sleep_mode`",
+    "distributed_executor_backend": "the placement on the Ray cluster",
+    "kv_cache_memory_bytes": "`vllm_cfg.cpu_kv_cache_gib` (CPU) or "
+    "`vllm_cfg.gpu_memory_utilization` (CUDA)",
+    **{key: f"`vllm_cfg.{key}`" for key in VLLM_CFG_DEFAULTS if key != "cpu_kv_cache_gib"},
+}
+
+
+def check_vllm_kwargs(passed: Mapping[str, Any]) -> None:
+    """Refuse ``vllm_kwargs`` keys that are not fields of ``vllm.EngineArgs`` (with the closest
+    one) or that the backend sets itself (with the setting to use instead).
+
+    Raises:
+        GenerationConfigError: naming ``vllm_kwargs.<key>``.
+    """
+    if not passed:
+        return
+    for key in passed:
+        if key in RESERVED_ENGINE_ARGS:
+            raise GenerationConfigError(
+                f"`vllm_kwargs.{key}` is set by the backend: use {RESERVED_ENGINE_ARGS[key]}"
+            )
+    fields = engine_arg_names()
+    for key in passed:
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), 3, 0.75)
+            hint = " or ".join(f"`{n}`" for n in near)
+            raise GenerationConfigError(
+                f"unknown key `vllm_kwargs.{key}`: not a field of vllm.EngineArgs"
+                + (f"; did you mean {hint}?" if hint else "")
+            )
+
+
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
+    """The field names of the installed vLLM's ``EngineArgs`` (imports vLLM's argument module)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(field.name for field in dataclasses.fields(EngineArgs))

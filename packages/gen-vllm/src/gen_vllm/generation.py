@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from gen_interface import (
@@ -31,9 +31,10 @@ from gen_interface import (
     with_per_call_overrides,
 )
 from gen_interface.decoding import row_stop_strings
-from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
+from gen_interface.lifecycle import DUMMY_WEIGHTS, Lifecycle, LifecycleView, Resource
 from gen_interface.outputs import build_row_output
 from gen_interface.sampling import is_greedy, row_seeds_for
+from gen_interface.schema import ForeignKeys
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
     WeightUpdates,
@@ -47,7 +48,7 @@ from gen_interface.weights.handles import WeightHandles, describe_slots
 
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
-from gen_vllm.config import VllmConfig, complete_vllm_config
+from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for
 from gen_vllm.messages import RowOutput, RowRequest
@@ -88,6 +89,9 @@ class VllmGeneration(GenerationInterface):
     """
 
     config: VllmConfig
+    config_schema: ClassVar[type] = VllmConfig
+    config_foreign_keys: ClassVar[ForeignKeys] = VLLM_FOREIGN_KEYS
+    settings_key: ClassVar[str | None] = "vllm_cfg"
 
     def __init__(
         self,
@@ -135,7 +139,11 @@ class VllmGeneration(GenerationInterface):
         self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
         self._calls = itertools.count()
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
-            "VllmGeneration", wake=self._wake, release=self._release, close=self._close
+            "VllmGeneration",
+            wake=self._wake,
+            release=self._release,
+            close=self._close,
+            weights_absent=DUMMY_WEIGHTS if cfg["load_format"] == "dummy" else None,
         )
         self._weights = WeightUpdates(
             self._lifecycle,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from gen_interface import (
@@ -42,28 +42,41 @@ from gen_interface.weights import (
 
 from gen_testkit.ngram.model import NgramModel
 
-__all__ = ["NgramConfig", "NgramGeneration"]
+__all__ = ["NgramConfig", "NgramGeneration", "NgramSettings"]
+
+
+class NgramSettings(TypedDict, total=False):
+    """The model: ``vocab_size`` (512), ``order`` (2), ``init_seed`` (0), ``context_limit``
+    (256, the longest prompt + generation)."""
+
+    vocab_size: int
+    order: int
+    init_seed: int
+    context_limit: int
 
 
 class NgramConfig(GenerationConfig, total=False):
-    """``GenerationConfig`` plus ``ngram``: ``vocab_size`` (512), ``order`` (2), ``init_seed``
-    (0), ``context_limit`` (256, the longest prompt + generation). ``model_name`` is a label."""
+    """``GenerationConfig`` plus ``ngram`` (``NgramSettings``). ``model_name`` is a label."""
 
-    ngram: dict[str, int]
+    ngram: NgramSettings
 
 
-_NGRAM_DEFAULTS = {"vocab_size": 512, "order": 2, "init_seed": 0, "context_limit": 256}
+_NGRAM_DEFAULTS: NgramSettings = {
+    "vocab_size": 512,
+    "order": 2,
+    "init_seed": 0,
+    "context_limit": 256,
+}
 
 
 class NgramGeneration(GenerationInterface):
     """A pure-torch backend on ``NgramModel``, in process, on the CPU."""
 
+    config_schema: ClassVar[type] = NgramConfig
+
     def __init__(self, config: NgramConfig):
-        validate_generation_config(config)
-        settings = {**_NGRAM_DEFAULTS, **config.get("ngram", {})}
-        unknown = set(settings) - set(_NGRAM_DEFAULTS)
-        if unknown:
-            raise GenerationConfigError(f"ngram has unknown keys {sorted(unknown)}")
+        validate_generation_config(config, schema=NgramConfig)
+        settings: NgramSettings = {**_NGRAM_DEFAULTS, **config.get("ngram", {})}
         if config.get("stop_strings"):
             raise GenerationConfigError(
                 "stop_strings needs a tokenizer and the ngram backend has none; use stop_token_ids"
