@@ -4,6 +4,7 @@ the exact distribution; for two replicas as for one."""
 
 import pytest
 from gen_hf import HfGeneration
+from gen_testkit.config_checks import for_backend
 from gen_testkit.parity import (
     HfLogitsOracle,
     TimedBackend,
@@ -27,7 +28,7 @@ def test_vllm_matches_the_reference(request, engines, model_name, replicas, logp
     model = request.getfixturevalue(model_name)
     vllm = engines.get(model, replicas=replicas, logprobs_mode=logprobs_mode)
     assert vllm.num_replicas == replicas
-    reference = HfGeneration(dict(vllm.config, backend="hf"))
+    reference = HfGeneration(for_backend(vllm.config, "hf"))
     try:
         report = run_pair(
             TimedBackend("hf", reference),

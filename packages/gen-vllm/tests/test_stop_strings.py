@@ -3,6 +3,7 @@ Hugging Face reference stops, right after the token that completes the string.""
 
 import pytest
 from gen_hf import HfGeneration
+from gen_testkit.config_checks import for_backend
 from gen_testkit.strategies import pad_prompts
 from transformers import AutoTokenizer
 
@@ -12,7 +13,7 @@ PROMPTS = [[5, 17, 42, 8], [99, 100], [7, 7, 7], [300, 12, 1], [250], [61, 62, 6
 @pytest.fixture(scope="module")
 def pair(engines, tiny_qwen2):
     vllm = engines.get(tiny_qwen2, replicas=1).with_sampling(max_new_tokens=16, stop_token_ids=[])
-    hf = HfGeneration(dict(vllm.config, backend="hf"))
+    hf = HfGeneration(for_backend(vllm.config, "hf"))
     yield vllm, hf
     hf.shutdown()
 

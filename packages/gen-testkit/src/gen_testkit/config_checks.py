@@ -22,6 +22,7 @@ __all__ = [
     "ConfigSchemaChecks",
     "ValidValues",
     "declared_levels",
+    "for_backend",
     "generation_valid_values",
     "misspelling",
     "nested_level",
@@ -189,3 +190,12 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
         },
         "colocated": {"enabled": st.booleans()},
     }
+
+
+def for_backend(config: Mapping[str, Any], backend: str) -> dict[str, Any]:
+    """``config``'s shared ``GenerationConfig`` keys, for another backend: the same generation
+    settings, without the first backend's own levels (``vllm_cfg``, ``vllm_kwargs``, ...)."""
+    from gen_interface import GenerationConfig
+
+    shared = declared_keys(GenerationConfig)
+    return {**{k: copy.deepcopy(v) for k, v in config.items() if k in shared}, "backend": backend}
