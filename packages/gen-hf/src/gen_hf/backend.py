@@ -7,11 +7,11 @@ layout) on the model's own forward pass and KV cache; see ``decode.py`` for the 
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import dataclasses
 import gc
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +24,9 @@ from gen_interface import (
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
+    InFlight,
+    PromptBatch,
+    RowResult,
     ScoreSpec,
     WeightTransport,
     build_generation_output,
@@ -33,6 +36,7 @@ from gen_interface import (
 )
 from gen_interface.decoding import StopRules
 from gen_interface.lifecycle import DUMMY_WEIGHTS, Lifecycle, LifecycleView, Resource
+from gen_interface.outputs import build_row_output
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
@@ -44,7 +48,8 @@ from gen_interface.weights import (
 )
 
 from gen_hf.config import HfConfig, complete_hf_config
-from gen_hf.decode import SamplingStep, decode_batch
+from gen_hf.decode import DecodeCall, SamplingStep, decode_batch
+from gen_hf.gate import StepGate
 from gen_hf.loading import (
     LoadedModel,
     load_model,
@@ -103,6 +108,7 @@ class HfGeneration(GenerationInterface):
             self._device.type == "cuda" and self.config["colocated"]["enabled"]
         )
         self._lock = threading.Lock()
+        self._gate = StepGate(self._lock)
         self._targets: dict[str, torch.Tensor] | None = None
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
             "HfGeneration",
@@ -115,7 +121,12 @@ class HfGeneration(GenerationInterface):
             self._lifecycle,
             self._specs,
             tied_aliases(self._loaded.model),
-            WeightUpdateSteps(load=self._load),
+            WeightUpdateSteps(
+                load=self._load,
+                begin=lambda version, in_flight: self._gate.close(in_flight),
+                commit=self._gate.reopen,
+                abort=lambda written: self._gate.reopen(None),
+            ),
         )
 
     def with_sampling(self, **overrides: Any) -> HfGeneration:
@@ -167,7 +178,8 @@ class HfGeneration(GenerationInterface):
             notes.append("no tokenizer loads from model_name: stop strings are refused")
         return BackendCapabilities(
             sleep=self._offload_on_finish,
-            async_generation=False,
+            async_generation=True,
+            in_flight_updates=True,
             weight_transports=frozenset(transports),
             devices=(self._device.type,),
             score=True,
@@ -178,10 +190,53 @@ class HfGeneration(GenerationInterface):
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
-        pad_token_id = self.config["pad_token_id"]
+        prompts, run = self._call(data, greedy)
+        with self._lifecycle.generating():
+            results = run(DecodeCall(self._gate, self._gate.enter()))
+        return build_generation_output(prompts, results, self.config["pad_token_id"])
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row index, one-row output)`` as the decode loop finishes each row (rows of
+        one forward group finish in any order). Closing the iterator early ends the call at its
+        next step."""
+        prompts, run = self._call(data, greedy)
+        pad = self.config["pad_token_id"]
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Queue[tuple[int, RowResult] | BaseException | None] = asyncio.Queue()
+        call = DecodeCall(
+            self._gate,
+            self._gate.enter(),
+            on_row=lambda i, row: loop.call_soon_threadsafe(finished.put_nowait, (i, row)),
+        )
+
+        def decode() -> None:
+            try:
+                run(call)
+                loop.call_soon_threadsafe(finished.put_nowait, None)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(finished.put_nowait, exc)
+
+        with self._lifecycle.generating():
+            worker = loop.run_in_executor(None, decode)
+            try:
+                while (item := await finished.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    index, row = item
+                    yield index, build_row_output(prompts, index, row, pad)
+            finally:
+                call.cancelled.set()
+                await asyncio.shield(worker)
+
+    def _call(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> tuple[PromptBatch, Callable[[DecodeCall], list[RowResult]]]:
+        """Validate the batch (before anything runs) and return the decoding to run for it."""
         prompts = normalize_generation_input(
             data,
-            pad_token_id=pad_token_id,
+            pad_token_id=self.config["pad_token_id"],
             vocab_size=self._vocab_size,
             context_limit=self._context_limit,
         )
@@ -200,28 +255,27 @@ class HfGeneration(GenerationInterface):
             top_p=top_p,
             processed=self.config.get("logprobs_mode") == "processed",
         )
-        with self._lifecycle.generating(), self._lock:
-            loaded = self._model()
-            rules = StopRules.for_call(
-                self.config, prompts, context_limit=self._context_limit, decode=self._decode
-            )
-            generators = row_generators(row_seeds_for(prompts, self.config.get("seed")))
-            version = self._weights.version
-            results = decode_batch(
-                loaded,
+        rules = StopRules.for_call(
+            self.config, prompts, context_limit=self._context_limit, decode=self._decode
+        )
+
+        def run(call: DecodeCall) -> list[RowResult]:
+            return decode_batch(
+                self._model(),
                 prompts.prompts(),
                 rules=rules,
-                generators=generators,
+                generators=row_generators(row_seeds_for(prompts, self.config.get("seed"))),
                 step=step,
                 device=self._device,
                 max_batch_size=self._max_batch_size,
+                call=call,
             )
-        rows = [dataclasses.replace(r, weight_version=version) for r in results]
-        return build_generation_output(prompts, rows, pad_token_id)
+
+        return prompts, run
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
         batch = normalize_score_input(data, vocab_size=self._vocab_size)
-        with self._lifecycle.generating(), self._lock:
+        with self._lifecycle.generating(), self._gate.step(self._gate.enter()):
             loaded = self._model()
             if not batch.sequences:
                 return scatter_response_logprobs(batch, [])
@@ -263,8 +317,12 @@ class HfGeneration(GenerationInterface):
     def weight_version(self) -> int:
         return self._weights.version
 
-    def start_weight_update(self, version: int | None = None) -> int:
-        return self._weights.start(version)
+    def start_weight_update(
+        self, version: int | None = None, *, in_flight: InFlight = "keep"
+    ) -> int:
+        """Open a transaction; it waits for a running ``generate`` to end (no in-flight
+        updates here), whatever ``in_flight`` says."""
+        return self._weights.start(version, in_flight)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         try:

@@ -10,9 +10,10 @@ that only finished rows needed, so they stop costing compute.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gen_interface import GenerationError, RowResult
@@ -21,9 +22,10 @@ from gen_interface.sampling import select_next_tokens
 from transformers import DynamicCache
 
 from gen_hf.cache import drop_leading_columns, new_group_cache
+from gen_hf.gate import StepGate
 from gen_hf.loading import LoadedModel
 
-__all__ = ["SamplingStep", "decode_batch", "decode_rows", "forward_errors"]
+__all__ = ["DecodeCall", "SamplingStep", "decode_batch", "decode_rows", "forward_errors"]
 
 # Id placed in padded prompt positions: masked out, it only has to be a valid embedding row.
 _FILL_ID = 0
@@ -46,6 +48,29 @@ class SamplingStep:
     processed: bool
 
 
+@dataclass
+class DecodeCall:
+    """One call's link to the world outside its decode loop.
+
+    Attributes:
+        gate: steps take turns with weight updates through it.
+        mark: ``gate.enter()`` when the call began (an ``"abort"`` update after it cuts the call).
+        on_row: called with (call row index, result) as each row finishes, from the decoding
+            thread.
+        cancelled: set it to end the call at its next step (rows not finished are dropped).
+    """
+
+    gate: StepGate
+    mark: int
+    on_row: Callable[[int, RowResult], object] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def finished(self, row: int, result: RowResult) -> RowResult:
+        if self.on_row is not None:
+            self.on_row(row, result)
+        return result
+
+
 def decode_batch(
     loaded: LoadedModel,
     prompts: Sequence[Sequence[int]],
@@ -55,6 +80,7 @@ def decode_batch(
     step: SamplingStep,
     device: torch.device,
     max_batch_size: int,
+    call: DecodeCall,
 ) -> list[RowResult]:
     """Generate for every prompt of a call, ``max_batch_size`` rows per group.
 
@@ -64,11 +90,11 @@ def decode_batch(
     Args:
         loaded: the model.
         prompts: the call's unpadded prompts, in input order.
-        rules, generators, step, device: as for ``decode_rows``.
+        rules, generators, step, device, call: as for ``decode_rows``.
         max_batch_size: most rows per forward pass.
 
     Returns:
-        One ``RowResult`` per prompt, in input order.
+        One ``RowResult`` per prompt, in input order (fewer when ``call.cancelled`` is set).
 
     Raises:
         GenerationError: a forward pass failed (out of memory, a kernel error).
@@ -77,6 +103,8 @@ def decode_batch(
     results: dict[int, RowResult] = {}
     with torch.inference_mode(), forward_errors():
         for start in range(0, len(order), max_batch_size):
+            if call.cancelled.is_set():
+                break
             rows = order[start : start + max_batch_size]
             group = decode_rows(
                 loaded,
@@ -86,9 +114,10 @@ def decode_batch(
                 generators=generators,
                 step=step,
                 device=device,
+                call=call,
             )
             results.update(zip(rows, group))
-    return [results[i] for i in range(len(prompts))]
+    return [results[i] for i in range(len(prompts)) if i in results]
 
 
 @contextmanager
@@ -112,8 +141,14 @@ def decode_rows(
     generators: Sequence[torch.Generator],
     step: SamplingStep,
     device: torch.device,
+    call: DecodeCall,
 ) -> list[RowResult]:
     """Generate for a group of rows that fits one forward pass.
+
+    Each forward pass is one step through ``call.gate``: a weight update runs between steps,
+    never during one. Each token records the version of the weights whose logits chose it; a
+    row's ``weight_version`` is the version its prompt was read with. A call cut short by an
+    ``"abort"`` update ends its rows at the next step with their tokens so far.
 
     Args:
         loaded: the model.
@@ -125,9 +160,10 @@ def decode_rows(
             them on the CPU, so a row's sample depends only on its own seed.
         step: how tokens are picked.
         device: the model's device.
+        call: the gate, the call's mark, who hears of finished rows, the cancel flag.
 
     Returns:
-        One ``RowResult`` per prompt, in the order given.
+        One ``RowResult`` per prompt, in the order given (none when ``call.cancelled`` is set).
     """
     count = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -144,14 +180,33 @@ def decode_rows(
     positions = (mask[:, :width].cumsum(dim=1) - 1).clamp(min=0)  # [A, width]
 
     cache = new_group_cache(loaded.model.config, width + rules.max_new_tokens)
-    logits = _forward(loaded, input_ids, mask[:, :width], positions, cache)
+    with call.gate.step(call.mark) as ticket:
+        if ticket.cut:
+            return [call.finished(r, RowResult([], [], False, cut_short=True)) for r in rows]
+        logits = _forward(loaded, input_ids, mask[:, :width], positions, cache)
+        start_version = version = ticket.version  # of the weights behind ``logits``
     next_position = positions[:, -1] + 1  # [A]
     leading_pads = [width - n for n in lengths]
     generator_of = [generators[r] for r in rows]
 
     generated: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
-    truncated = [False] * count
+    versions: list[list[int]] = [[] for _ in prompts]
+    results: list[RowResult | None] = [None] * count
+
+    def finish(a: int, *, truncated: bool = False, cut_short: bool = False) -> None:
+        results[a] = call.finished(
+            rows[a],
+            RowResult(
+                generated[a],
+                logprobs[a],
+                truncated,
+                weight_version=start_version,
+                weight_versions=versions[a],
+                cut_short=cut_short,
+            ),
+        )
+
     active = list(range(count))  # group-local index of each row still running, batch order
     while True:
         sample_on = logits if step.greedy or device.type == "cpu" else logits.float().cpu()
@@ -168,11 +223,12 @@ def decode_rows(
         for slot, (a, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen.tolist())):
             generated[a].append(token)
             logprobs[a].append(logprob)
+            versions[a].append(version)
             reason = rules.reason(rows[a], lengths[a], generated[a])
             if reason is None:
                 keep.append(slot)
             else:
-                truncated[a] = reason == "length"
+                finish(a, truncated=reason == "length")
         if not keep:
             break
         tokens = tokens.to(device)
@@ -187,9 +243,19 @@ def decode_rows(
                 width -= trim
                 leading_pads = [n - trim for n in leading_pads]
         width += 1
-        logits = _forward(loaded, tokens[:, None], mask[:, :width], next_position[:, None], cache)
+        if call.cancelled.is_set():
+            return []
+        with call.gate.step(call.mark) as ticket:
+            if ticket.cut:
+                for a in active:
+                    finish(a, cut_short=True)
+                break
+            logits = _forward(
+                loaded, tokens[:, None], mask[:, :width], next_position[:, None], cache
+            )
+            version = ticket.version
         next_position = next_position + 1
-    return [RowResult(g, lp, t) for g, lp, t in zip(generated, logprobs, truncated)]
+    return [r for r in results if r is not None]
 
 
 def _forward(

@@ -24,7 +24,12 @@ from gen_interface.errors import (
     WeightUpdateError,
 )
 from gen_interface.inputs import PromptBatch, normalize_generation_input
-from gen_interface.interface import BackendCapabilities, GenerationInterface, WeightTransport
+from gen_interface.interface import (
+    BackendCapabilities,
+    GenerationInterface,
+    InFlight,
+    WeightTransport,
+)
 from gen_interface.lifecycle import Lifecycle
 from gen_interface.outputs import RowResult, build_generation_output
 from gen_interface.registry import (
@@ -64,6 +69,7 @@ __all__ = [
     "GenerationInputError",
     "GenerationInterface",
     "GenerationOutputSpec",
+    "InFlight",
     "Lifecycle",
     "LogprobsMode",
     "PromptBatch",

@@ -19,9 +19,11 @@ from gen_interface.specs import (
     ScoreSpec,
 )
 
-__all__ = ["BackendCapabilities", "GenerationInterface", "WeightTransport"]
+__all__ = ["BackendCapabilities", "GenerationInterface", "InFlight", "WeightTransport"]
 
 WeightTransport = Literal["shm", "cuda_ipc", "state_dict", "collective"]
+#: What a weight update does to rows running when it starts (``start_weight_update``).
+InFlight = Literal["keep", "abort"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class BackendCapabilities:
         devices: the device types the backend runs on now, e.g. ``("cpu",)`` or ``("cuda",)``.
         score: ``score`` computes teacher-forced logprobs of given sequences.
         stop_strings: stop strings are honoured (needs a tokenizer); False means they are refused.
+        in_flight_updates: a weight update may start while rows run: in ``"keep"`` mode they
+            pause and go on with the new weights, in ``"abort"`` mode they end at once, marked
+            ``cut_short``. False: an update waits for running calls to end.
         notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """
 
@@ -50,6 +55,7 @@ class BackendCapabilities:
     devices: tuple[str, ...] = ("cpu",)
     score: bool = False
     stop_strings: bool = False
+    in_flight_updates: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -154,8 +160,16 @@ class GenerationInterface(ABC):
         each committed update set. Every output row reports the version it started on."""
         return 0
 
-    def start_weight_update(self, version: int | None = None) -> int:
+    def start_weight_update(
+        self, version: int | None = None, *, in_flight: InFlight = "keep"
+    ) -> int:
         """Open a transaction that will commit ``version`` (default: the current one plus 1).
+
+        Rows running when it opens (``capabilities.in_flight_updates``): with ``"keep"`` they
+        pause and, once the update commits, go on with the new weights (the KV cache they
+        built stays; each token's ``weight_versions`` entry says which weights produced it);
+        with ``"abort"`` they end at once with their tokens so far, marked ``cut_short``.
+        Backends without in-flight updates wait for running calls to end, whatever the mode.
 
         Returns:
             The version the commit will set.

@@ -30,6 +30,8 @@ class RowResult:
         weight_version: the weight version the row started on.
         weight_versions: the version that produced each token (g of them); None when every
             token came from ``weight_version``.
+        cut_short: the row was ended early by a weight update in ``"abort"`` mode; its tokens so
+            far are kept (``truncated`` is then False).
     """
 
     token_ids: Sequence[int]
@@ -37,6 +39,7 @@ class RowResult:
     truncated: bool
     weight_version: int = 0
     weight_versions: Sequence[int] | None = None
+    cut_short: bool = False
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -56,10 +59,10 @@ def build_generation_output(
 
     Returns:
         ``output_ids`` int64 ``[B, L]``, ``logprobs`` float32 ``[B, L]``, ``generation_lengths``
-        and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` bool ``[B]``,
-        ``weight_version`` int64 ``[B]`` and ``weight_versions`` int64 ``[B, L]`` (the version
-        of each generated token, 0 elsewhere), where ``L = max_i(p_i + g_i)``. An empty batch
-        gives every field with ``B = 0`` (and ``L = 0``).
+        and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` and ``cut_short`` bool
+        ``[B]``, ``weight_version`` int64 ``[B]`` and ``weight_versions`` int64 ``[B, L]`` (the
+        version of each generated token, 0 elsewhere), where ``L = max_i(p_i + g_i)``. An empty
+        batch gives every field with ``B = 0`` (and ``L = 0``).
     """
     if len(rows) != prompts.size:
         raise ValueError(f"{len(rows)} results for {prompts.size} prompts")
@@ -93,6 +96,7 @@ def build_generation_output(
         generation_lengths=generation_lengths,
         unpadded_sequence_lengths=total,
         truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+        cut_short=torch.tensor([r.cut_short for r in rows], dtype=torch.bool),
         weight_version=torch.tensor([r.weight_version for r in rows], dtype=torch.int64),
         weight_versions=versions,
     )

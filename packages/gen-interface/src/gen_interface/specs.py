@@ -61,7 +61,7 @@ class GenerationDatumSpec(TypedDict):
     """An input batch.
 
     Each row's real tokens form one contiguous run; left, right and mixed padding all give the
-    same result. Exactly one of ``attention_mask`` and ``input_lengths`` is needed.
+    same result. One of ``attention_mask`` and ``input_lengths`` is needed (both: they must agree).
     """
 
     input_ids: torch.Tensor  # int64 [B, S]
@@ -83,6 +83,9 @@ class GenerationOutputSpec(TypedDict):
     unpadded_sequence_lengths: torch.Tensor  # int64 [B]: p_i + g_i
     logprobs: torch.Tensor  # float32 [B, L]: position p_i + j holds generated token j's; else 0.0
     truncated: torch.Tensor  # bool [B]: stopped for length, not for a stop token or string
+    # bool [B]: ended early by a weight update in "abort" mode, tokens so far kept; resume the
+    # row by generating from its prompt plus those tokens
+    cut_short: torch.Tensor
     weight_version: torch.Tensor  # int64 [B]: the weight version the row started on
     # int64 [B, L]: position p_i + j holds the version that produced generated token j; else 0
     weight_versions: torch.Tensor

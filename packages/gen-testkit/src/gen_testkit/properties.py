@@ -29,6 +29,7 @@ OUTPUT_DTYPES: dict[str, torch.dtype] = {
     "generation_lengths": torch.int64,
     "unpadded_sequence_lengths": torch.int64,
     "truncated": torch.bool,
+    "cut_short": torch.bool,
     "weight_version": torch.int64,
     "weight_versions": torch.int64,
 }
@@ -50,7 +51,13 @@ def check_layout(prompts: Sequence[Sequence[int]], output: Mapping[str, Any]) ->
     assert logprobs.shape == ids.shape, f"logprobs {tuple(logprobs.shape)} != {tuple(ids.shape)}"
     versions = output["weight_versions"]
     assert versions.shape == ids.shape, f"weight_versions {tuple(versions.shape)} != {ids.shape}"
-    for key in ("generation_lengths", "unpadded_sequence_lengths", "truncated", "weight_version"):
+    for key in (
+        "generation_lengths",
+        "unpadded_sequence_lengths",
+        "truncated",
+        "cut_short",
+        "weight_version",
+    ):
         assert tuple(output[key].shape) == (batch,), f"{key} is {tuple(output[key].shape)}"
     p = torch.tensor([len(r) for r in prompts], dtype=torch.int64)
     expected_total = p + output["generation_lengths"]
@@ -108,8 +115,10 @@ def check_stop_rules(
     max_new_tokens: int,
 ) -> None:
     """A row ends at its first stop token (kept, not truncated), or runs to the limit (truncated,
-    with no stop token). Assumes prompts short enough that the context limit is not reached."""
+    with no stop token); no row is cut short (no weight update ran in "abort" mode). Assumes
+    prompts short enough that the context limit is not reached."""
     stops = set(stop_token_ids)
+    assert not output["cut_short"].any(), f"rows cut short: {output['cut_short'].tolist()}"
     for i, prompt in enumerate(prompts):
         end = int(output["unpadded_sequence_lengths"][i])
         generated = output["output_ids"][i, len(prompt) : end].tolist()

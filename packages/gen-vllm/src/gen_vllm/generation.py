@@ -21,6 +21,7 @@ from gen_interface import (
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
+    InFlight,
     PromptBatch,
     RowResult,
     ScoreSpec,
@@ -219,6 +220,7 @@ class VllmGeneration(GenerationInterface):
         return BackendCapabilities(
             sleep=self._sleeps,
             async_generation=True,
+            in_flight_updates=True,
             weight_transports=frozenset(
                 {"shm", "cuda_ipc", "collective"} if on_gpu else {"shm", "collective"}
             ),
@@ -389,8 +391,10 @@ class VllmGeneration(GenerationInterface):
         check_weights_match(state_dict_info, self._weights.model)
         check_update_is_complete(state_dict_info, self._weights.model, self._weights.optional)
 
-    def start_weight_update(self, version: int | None = None) -> int:
-        return self._weights.start(version)
+    def start_weight_update(
+        self, version: int | None = None, *, in_flight: InFlight = "keep"
+    ) -> int:
+        return self._weights.start(version, in_flight)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         """Load shared buckets into every replica: one load of the open transaction, or a
@@ -426,8 +430,8 @@ class VllmGeneration(GenerationInterface):
             tp = self.config["vllm_cfg"]["tensor_parallel_size"]
             self.replicas.init_collective(cast(CollectiveEndpoint, dict(endpoint)), tp)
 
-    def _begin_update(self, version: int) -> None:
-        failed = _errors(self.replicas.start_weight_update())
+    def _begin_update(self, version: int, in_flight: InFlight) -> None:
+        failed = _errors(self.replicas.start_weight_update(in_flight))
         if failed:
             self._break_if_lost(failed)
             self._close_update_on_workers()
@@ -500,6 +504,7 @@ def _row_result(row: RowOutput) -> RowResult:
         row.token_ids,
         row.logprobs,
         row.finish_reason == "length",
+        cut_short=row.finish_reason == "abort",
         weight_version=row.weight_version,
         weight_versions=row.weight_versions,
     )

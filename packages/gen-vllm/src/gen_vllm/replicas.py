@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gen_interface import BackendUnavailableError, GenerationError
+from gen_interface import BackendUnavailableError, GenerationError, InFlight
 from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.cluster import Bundle, RayVirtualCluster
@@ -144,9 +144,10 @@ class ReplicaSet:
             "reset_prefix_cache",
         )
 
-    def start_weight_update(self) -> list[GenerationError | None]:
-        """Open vLLM's weight-update transaction on every replica; each one's outcome."""
-        refs = [a.start_weight_update.remote() for a in self.actors]
+    def start_weight_update(self, in_flight: InFlight) -> list[GenerationError | None]:
+        """Open vLLM's weight-update transaction on every replica; each one's outcome.
+        ``in_flight``: running rows pause (``"keep"``) or end now, cut short (``"abort"``)."""
+        refs = [a.start_weight_update.remote(in_flight) for a in self.actors]
         return self._outcomes(refs, self.timeouts.update_s, "starting a weight update")
 
     def load_weights(self, info: LoadInfo) -> list[GenerationError | None]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import time
 import uuid
 from typing import Any
 
+from gen_interface import InFlight
 from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
@@ -27,6 +29,9 @@ __all__ = ["VllmGenerationWorker"]
 
 #: ``SamplingParams`` of a scoring request: one greedy token, the prompt's logprobs.
 _SCORE_PARAMS = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+
+
+logger = logging.getLogger(__name__)
 
 
 class VllmGenerationWorker:
@@ -101,10 +106,15 @@ class VllmGenerationWorker:
 
     # ---- weight updates: vLLM's transaction, with this project's transfer engine -------------
 
-    async def start_weight_update(self) -> None:
-        """Stop stepping (running rows keep their place) and open vLLM's transaction."""
+    async def start_weight_update(self, in_flight: InFlight = "keep") -> None:
+        """Stop stepping and open vLLM's transaction. Running rows keep their place and go on
+        after the update (``"keep"``), or end now with their tokens so far (``"abort"``)."""
 
         def start() -> None:
+            if in_flight == "abort":
+                cut = self._loop.cut_all()
+                if cut:
+                    logger.info("a weight update cut %d running rows short", cut)
             self._loop.pause()
             try:
                 self._loop.engine.collective_rpc("start_weight_update")

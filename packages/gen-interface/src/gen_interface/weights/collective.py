@@ -32,7 +32,7 @@ from gen_interface.weights.layout import group_bytes, pack, plan_buckets, unpack
 from gen_interface.weights.producer import named_tensors
 
 if TYPE_CHECKING:
-    from gen_interface.interface import GenerationInterface
+    from gen_interface.interface import GenerationInterface, InFlight
 
 __all__ = [
     "BroadcastBucket",
@@ -176,15 +176,17 @@ class WeightBroadcaster:
         state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         version: int | None = None,
+        in_flight: InFlight = "keep",
         bucket_bytes: int = DEFAULT_BROADCAST_BYTES,
     ) -> int:
         """Broadcast ``state_dict`` to every worker as one transaction; returns the version.
+        ``in_flight``: what happens to rows running meanwhile (``start_weight_update``).
 
         Raises:
             WeightUpdateError: the backend refused or failed the update (it was aborted).
         """
         tensors = named_tensors(state_dict)
-        self.backend.start_weight_update(version)
+        self.backend.start_weight_update(version, in_flight=in_flight)
         loading: _Background | None = None
         try:
             for group in plan_buckets(tensors, bucket_bytes):

@@ -31,7 +31,7 @@ from gen_interface.weights.producer import named_tensors
 from gen_interface.weights.shm import unlink_segment
 
 if TYPE_CHECKING:
-    from gen_interface.interface import GenerationInterface
+    from gen_interface.interface import GenerationInterface, InFlight
 
 __all__ = ["DEFAULT_STREAM_BUCKET_BYTES", "BucketRing", "Refitter", "refit"]
 
@@ -130,6 +130,7 @@ class Refitter:
         state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         version: int | None = None,
+        in_flight: InFlight = "keep",
     ) -> int:
         """Load ``state_dict`` into the backend as one verified transaction, streamed.
 
@@ -140,6 +141,7 @@ class Refitter:
         Args:
             state_dict: every weight of the model, ``{name: tensor}`` or pairs, on one device.
             version: the weight version to commit; default: the backend's current one plus one.
+            in_flight: what happens to rows running meanwhile (``start_weight_update``).
 
         Returns:
             The committed weight version.
@@ -158,7 +160,7 @@ class Refitter:
         ring = self._ring
         backend = self.backend
         with ThreadPoolExecutor(1) as loader:
-            backend.start_weight_update(version)
+            backend.start_weight_update(version, in_flight=in_flight)
             loading: list[Future[None]] = []
             try:
                 for index, group in enumerate(groups):
@@ -196,6 +198,7 @@ def refit(
     state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     *,
     version: int | None = None,
+    in_flight: InFlight = "keep",
     bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES,
     devices: Sequence[torch.device | int | str] | None = None,
     buffers: int = 2,
@@ -203,7 +206,7 @@ def refit(
     """One streamed refit with buckets of its own (see ``Refitter.refit``); a training loop that
     refits every step keeps a ``Refitter`` instead, so its buckets are reused."""
     with Refitter(backend, bucket_bytes=bucket_bytes, devices=devices, buffers=buffers) as once:
-        return once.refit(state_dict, version=version)
+        return once.refit(state_dict, version=version, in_flight=in_flight)
 
 
 def _free(allocation: Allocation) -> None:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gen_interface.errors import WeightUpdateError
 from gen_interface.lifecycle import Lifecycle, LifecycleView
 from gen_interface.weights.consumer import TensorSpecs, check_update_is_complete
 from gen_interface.weights.handles import describe_weight_handles
 from gen_interface.weights.transaction import WeightTransaction, next_version
+
+if TYPE_CHECKING:
+    from gen_interface.interface import InFlight
 
 __all__ = ["WeightUpdateSteps", "WeightUpdates"]
 
@@ -34,14 +37,14 @@ class WeightUpdateSteps:
         load: load one set of handles (already checked against the model) into every worker.
             It may raise ``WeightUpdateError`` before writing anything.
         begin: prepare the workers for loads (e.g. pause generation, vLLM's
-            ``start_weight_update``).
+            ``start_weight_update``); receives the version and what to do with running rows.
         commit: finish on the workers and verify that all took the same weights; receives the
             version. Raising here after loads means the weights are not trustworthy.
         abort: finish on the workers after a failure; receives whether loads were written.
     """
 
     load: Callable[[Mapping[str, Any]], None]
-    begin: Callable[[int], None] = _nothing
+    begin: Callable[[int, InFlight], None] = _nothing
     commit: Callable[[int], None] = _nothing
     abort: Callable[[bool], None] = _nothing
 
@@ -76,7 +79,7 @@ class WeightUpdates:
     def in_progress(self) -> bool:
         return self._open is not None
 
-    def start(self, version: int | None = None) -> int:
+    def start(self, version: int | None = None, in_flight: InFlight = "keep") -> int:
         """Open a transaction; see ``GenerationInterface.start_weight_update``."""
         with self._lock:
             if self._open is not None:
@@ -87,7 +90,7 @@ class WeightUpdates:
             target = next_version(self.version, version)
             self.lifecycle.begin_update()
             try:
-                self.steps.begin(target)
+                self.steps.begin(target, in_flight)
             except BaseException:
                 self.lifecycle.end_update()
                 raise

@@ -21,6 +21,7 @@ from gen_interface import (
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
+    InFlight,
     RowResult,
     ScoreSpec,
     build_generation_output,
@@ -185,8 +186,12 @@ class NgramGeneration(GenerationInterface):
     def weight_version(self) -> int:
         return self._weights.version
 
-    def start_weight_update(self, version: int | None = None) -> int:
-        return self._weights.start(version)
+    def start_weight_update(
+        self, version: int | None = None, *, in_flight: InFlight = "keep"
+    ) -> int:
+        """Open a transaction; it waits for a running ``generate`` to end (no in-flight
+        updates here), whatever ``in_flight`` says."""
+        return self._weights.start(version, in_flight)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         try:

@@ -1,0 +1,141 @@
+"""Weight updates while rows run (``capabilities.in_flight_updates``), on any backend.
+
+``"keep"``: running rows pause and go on with the new weights, each token's ``weight_versions``
+entry saying which weights produced it. ``"abort"``: running rows end at once with their tokens
+so far, marked ``cut_short``, and can be resumed from their prompt plus those tokens.
+
+The update has to land while the long rows run. A short call started after them returns once
+they have run a few steps, and the update starts then; on a machine slow enough that it still
+lands before or after every row ran, the attempt is repeated (at most three times). Not part of
+``GenerationConformanceSuite``, since each test generates a few hundred tokens per row:
+subclass it once per backend with a ``subject`` fixture whose ``state_dict`` is set.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from gen_interface import BatchedDataDict, GenerationInterface, InFlight
+from gen_interface.weights import refit
+
+from gen_testkit.strategies import pad_prompts
+from gen_testkit.suite.base import ConformanceSubject
+
+__all__ = ["InFlightUpdateChecks"]
+
+PROMPTS = [[5, 17, 42, 8], [99, 3], [7, 7, 7]]
+
+
+class InFlightUpdateChecks:
+    """Both modes of an update that arrives mid-generation. Override ``long_tokens`` for
+    models with a context shorter than 512."""
+
+    long_tokens = 400
+
+    @pytest.fixture(scope="class")
+    def weights(self, subject: ConformanceSubject) -> tuple[Mapping[str, torch.Tensor], dict]:
+        """``(the checkpoint's weights, clearly different ones)``."""
+        if not subject.backend.capabilities.in_flight_updates:
+            pytest.skip("backend does not claim in-flight weight updates")
+        assert subject.state_dict is not None, "the subject needs its state_dict"
+        generator = torch.Generator().manual_seed(5)
+        new = {
+            name: t + 0.5 * t.float().std() * torch.randn(t.shape, generator=generator)
+            for name, t in subject.state_dict.items()
+        }
+        return subject.state_dict, new
+
+    @pytest.fixture
+    def long_rows(self, subject: ConformanceSubject, weights: Any) -> Any:
+        backend: Any = subject.backend  # with_sampling: every backend here has it
+        yield backend.with_sampling(max_new_tokens=self.long_tokens, stop_token_ids=[])
+        refit(subject.backend, weights[0])  # the next test starts on the checkpoint's weights
+
+    def test_a_keep_update_midway_changes_the_later_tokens_and_versions_say_where(
+        self, subject: ConformanceSubject, long_rows: Any, weights: Any
+    ) -> None:
+        backend = subject.backend
+        baseline = long_rows.generate(pad_prompts(PROMPTS, "left"), greedy=True)
+        out, old, new = self._midway(backend, long_rows, weights, "keep")
+        n = len(PROMPTS)
+        assert not out["cut_short"].any()
+        assert out["generation_lengths"].tolist() == [self.long_tokens] * n
+        assert out["weight_version"].tolist() == [old] * n  # the version each row started on
+        changed = 0
+        for i in range(n):
+            versions = _generated(out, i, "weight_versions")
+            assert versions == sorted(versions) and set(versions) <= {old, new}, versions
+            switch = versions.index(new) if new in versions else len(versions)
+            tokens, before = _generated(out, i), _generated(baseline, i)
+            assert tokens[:switch] == before[:switch], f"row {i} changed before the update"
+            changed += tokens[switch:] != before[switch:]
+        assert changed, "no row's tokens changed after the update"
+
+    def test_an_abort_update_midway_returns_the_rows_so_far_marked_cut_short(
+        self, subject: ConformanceSubject, long_rows: Any, weights: Any
+    ) -> None:
+        backend = subject.backend
+        baseline = long_rows.generate(pad_prompts(PROMPTS, "left"), greedy=True)
+        out, old, new = self._midway(backend, long_rows, weights, "abort")
+        cut = out["cut_short"].tolist()
+        assert any(cut)
+        for i in range(len(PROMPTS)):
+            tokens, versions = _generated(out, i), _generated(out, i, "weight_versions")
+            assert tokens == _generated(baseline, i)[: len(tokens)], f"row {i}: not a prefix"
+            assert set(versions) <= {old}, f"row {i} has tokens of the new weights: {versions}"
+            assert cut[i] == (len(tokens) < self.long_tokens), f"row {i}: {len(tokens)} tokens"
+            assert not (cut[i] and out["truncated"][i]), f"row {i} is cut short and truncated"
+        # The backend goes on, on the new weights; a cut row resumes from prompt + tokens so far.
+        row = cut.index(True)
+        resumed = long_rows.with_sampling(max_new_tokens=4).generate(
+            pad_prompts([PROMPTS[row] + _generated(out, row)], "left"), greedy=True
+        )
+        assert resumed["weight_version"].tolist() == [new] == [backend.weight_version]
+        assert int(resumed["generation_lengths"][0]) == 4
+
+    def _midway(
+        self, backend: GenerationInterface, long_rows: Any, weights: Any, mode: InFlight
+    ) -> tuple[BatchedDataDict[Any], int, int]:
+        """Generate the long rows with an update in ``mode`` midway, until it lands while some
+        row runs; the output, the version before the update and the one it committed."""
+        original, new_weights = weights
+        for _attempt in range(3):
+            old = backend.weight_version
+            out, new = _with_update_midway(
+                backend, long_rows, lambda: refit(backend, new_weights, in_flight=mode)
+            )
+            versions = [_generated(out, i, "weight_versions") for i in range(len(PROMPTS))]
+            lengths = out["generation_lengths"].tolist()
+            landed = [
+                n < self.long_tokens or {old, new} <= set(v) for n, v in zip(lengths, versions)
+            ]
+            if any(landed):  # not before every row started, nor after every row ended
+                return out, old, new
+            refit(backend, original)
+        pytest.fail("the update never landed while the rows ran")
+
+
+def _with_update_midway(
+    backend: Any, long_rows: Any, update: Callable[[], int]
+) -> tuple[BatchedDataDict[Any], int]:
+    result: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: result.update(out=long_rows.generate(pad_prompts(PROMPTS, "left"), True))
+    )
+    worker.start()
+    time.sleep(0.3)  # the long rows start first
+    backend.with_sampling(max_new_tokens=4).generate(pad_prompts([[1, 2]], "left"), greedy=True)
+    version = update()
+    worker.join(timeout=600)
+    assert "out" in result, "the long rows did not come back"
+    return result["out"], version
+
+
+def _generated(out: BatchedDataDict[Any], i: int, key: str = "output_ids") -> list[int]:
+    start = len(PROMPTS[i])
+    return out[key][i, start : start + int(out["generation_lengths"][i])].tolist()
