@@ -57,7 +57,11 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
     }
     valid[""]["vllm_cfg"] = st.fixed_dictionaries({}, optional=valid["vllm_cfg"])
     valid[""]["vllm_kwargs"] = st.fixed_dictionaries(
-        {}, optional={"block_size": st.sampled_from([16, 32]), "swap_space": st.floats(0, 4)}
+        {},
+        optional={
+            "block_size": st.sampled_from([16, 32]),
+            "max_num_batched_tokens": st.integers(64, 8192),
+        },
     )
 
     def complete(self, config: dict[str, Any]) -> Any:
@@ -154,10 +158,19 @@ def test_training_loop_keys_are_accepted_and_left_for_the_loop(key):
     assert engine_args(dict(BASE, **{key: 0.7})) == engine_args(BASE)
 
 
-def _refusable() -> list[tuple[str, str]]:
-    rows = [("", key) for key in NEMO_RL_GENERATION_KEYS if key not in TRAINING_LOOP_KEYS]
-    rows.remove(("", "_pad_token_id"))
-    return rows + [("vllm_cfg", key) for key in VLLM_FOREIGN_KEYS["vllm_cfg"]]
+def _foreign(*, unread: bool) -> list[tuple[str, str]]:
+    """NeMo RL's undeclared keys: those accepted whatever their value, or those refused on."""
+    rules = [("", NEMO_RL_GENERATION_KEYS), ("vllm_cfg", VLLM_FOREIGN_KEYS["vllm_cfg"])]
+    return [
+        (level, key) for level, keys in rules for key, rule in keys.items() if rule.unread == unread
+    ]
+
+
+@pytest.mark.parametrize(("level", "key"), _foreign(unread=True))
+def test_a_nemo_rl_key_nothing_here_reads_is_accepted_with_any_value(level, key):
+    for value in (True, 3000, "x", {"nested": {"device": "cuda"}}):
+        config = dict(BASE, **({level: {key: value}} if level else {key: value}))
+        assert engine_args(config) == engine_args(BASE)
 
 
 #: A value that turns each refusable key on.
@@ -184,7 +197,7 @@ ON: dict[str, Any] = {
 OFF: dict[str, Any] = {"pipeline_parallel_size": 1, "expert_parallel_size": 1}
 
 
-@pytest.mark.parametrize(("level", "key"), _refusable())
+@pytest.mark.parametrize(("level", "key"), _foreign(unread=False))
 def test_a_nemo_rl_key_without_an_equivalent_is_accepted_off_and_refused_on(level, key):
     rule = (VLLM_FOREIGN_KEYS.get(level) or NEMO_RL_GENERATION_KEYS)[key]
     off, on = OFF.get(key), ON.get(key, True)
@@ -235,3 +248,71 @@ def test_is_eval_decides_whether_the_checkpoint_is_read(is_eval, load_format):
     given = dict(BASE, vllm_cfg={"load_format": "dummy"})
     expected = "dummy" if is_eval is None else load_format
     assert engine_args(given, is_eval=is_eval)["load_format"] == expected
+
+
+#: The ``generation`` section of NeMo RL's examples/configs/grpo_math_1B.yaml (Apache-2.0), its
+#: interpolations resolved (a 1024-token sequence, bfloat16), ``model_name`` added as NeMo RL
+#: adds it at run time.
+NEMO_RL_GRPO_MATH_1B: dict[str, Any] = {
+    "port_range_low": 3000,
+    "port_range_high": 4999,
+    "backend": "vllm",
+    "model_name": "m",
+    "max_new_tokens": 1024,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": None,
+    "val_temperature": 1.0,
+    "val_top_p": 1.0,
+    "val_top_k": None,
+    "stop_token_ids": None,
+    "stop_strings": None,
+    "refit_transport": None,
+    "real_quant_export_cpu_offload": True,
+    "refit_cfg": {
+        "nixl": {
+            "update_weights_bucket_memory_ratio": 0.05,
+            "device": "cuda",
+            "backend_name": "UCX",
+            "backend_init_params": None,
+            "release_after_refit": False,
+            "shard_expert_weights": False,
+        }
+    },
+    "mcore_generation_config": {"max_model_len": 1024, "cuda_graph_impl": "local"},
+    "vllm_cfg": {
+        "async_engine": False,
+        "precision": "bfloat16",
+        "kv_cache_dtype": "auto",
+        "logprobs_mode": "processed_logprobs",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "expert_parallel_size": 1,
+        "gpu_memory_utilization": 0.6,
+        "max_model_len": 1024,
+        "enforce_eager": False,
+        "use_tqdm": True,
+        "use_deep_gemm": False,
+        "num_last_layers_in_bf16": 0,
+        "num_first_layers_in_bf16": 0,
+        "enable_vllm_metrics_logger": True,
+        "vllm_metrics_logger_interval": 0.5,
+        "http_refit_api_key_env_var": None,
+        "reset_encoder_cache_after_weight_update": False,
+        "http_refit_server_port": None,
+        "zmq_refit_server_port": None,
+    },
+    "vllm_kwargs": {},
+    "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
+}
+
+
+def test_nemo_rl_s_own_grpo_config_is_accepted_and_means_the_same():
+    tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 2})()
+    config = configure_generation_config(NEMO_RL_GRPO_MATH_1B, tokenizer, is_eval=False)
+    args = engine_args_for(complete_vllm_config(config), use_gpus=True)
+    assert args["dtype"] == "bfloat16" and args["logprobs_mode"] == "processed_logprobs"
+    assert args["load_format"] == "dummy" and args["max_model_len"] == 1024
+    assert args["gpu_memory_utilization"] == 0.6 and args["enforce_eager"] is False
+    assert args["enable_sleep_mode"]  # colocated on GPUs
+    assert config["stop_token_ids"] == [2] and config["val_temperature"] == 1.0

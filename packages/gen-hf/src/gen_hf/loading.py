@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from gen_interface import BackendUnavailableError, GenerationConfigError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 __all__ = ["LoadedModel", "load_model", "load_tokenizer_decode", "move_model", "resolve_device"]
 
@@ -88,12 +89,16 @@ def load_model(config: Mapping[str, Any], device: torch.device) -> LoadedModel:
             model_config = AutoConfig.from_pretrained(
                 config["model_name"], trust_remote_code=hf_cfg["trust_remote_code"]
             )
-            model = AutoModelForCausalLM.from_config(
-                model_config,
-                dtype=model_config.dtype if dtype == "auto" else dtype,
-                attn_implementation=hf_cfg["attn_implementation"],
-                trust_remote_code=hf_cfg["trust_remote_code"],
-            )
+            # No random initialisation (seconds for a large model): the values are never used,
+            # since generate refuses until the first update writes every weight. Buffers that
+            # are computed, not loaded (rotary frequencies), are still built.
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(
+                    model_config,
+                    dtype=model_config.dtype if dtype == "auto" else dtype,
+                    attn_implementation=hf_cfg["attn_implementation"],
+                    trust_remote_code=hf_cfg["trust_remote_code"],
+                )
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 config["model_name"],

@@ -291,9 +291,15 @@ def _set_load_format(config: dict[str, Any], is_eval: bool) -> None:
     key = backend.settings_key if backend is not None else None
     if key is None:
         if not is_eval:
+            name = config.get("backend")
+            why = (
+                "it has no load_format"
+                if backend is not None
+                else "no backend of that name is installed in this environment"
+            )
             raise GenerationConfigError(
-                f"backend {config.get('backend')!r} cannot start without its weights "
-                "(is_eval=False): it has no load_format; leave is_eval out"
+                f"backend {name!r} cannot be set to start without its weights (is_eval=False): "
+                f"{why}; leave is_eval out"
             )
         return
     settings = config.get(key)

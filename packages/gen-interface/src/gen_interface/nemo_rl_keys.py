@@ -25,8 +25,8 @@ def falsy(reason: str) -> ForeignKey:
 
 _QUANTISED = "quantised rollouts (ModelOpt) are not supported: generate in the model's dtype"
 _NO_SERVER = (
-    "this project opens no HTTP or ZMQ server: weights arrive through "
-    "update_weights_from_ipc_handles (gen_interface.weights.Refitter) or WeightBroadcaster"
+    "ports of NeMo RL's HTTP and ZMQ servers; this project opens none (weights arrive through "
+    "update_weights_from_ipc_handles, gen_interface.weights.Refitter or WeightBroadcaster)"
 )
 
 #: Top-level NeMo RL keys -> what happens to them here.
@@ -43,8 +43,8 @@ NEMO_RL_GENERATION_KEYS: dict[str, ForeignKey] = {
         "banned words would change the sampling distribution, and only some backends can ban "
         "them; leave it out and penalise those words in the reward instead"
     ),
-    "port_range_low": falsy(_NO_SERVER),
-    "port_range_high": falsy(_NO_SERVER),
+    "port_range_low": ForeignKey(_NO_SERVER),
+    "port_range_high": ForeignKey(_NO_SERVER),
     "use_async_rollouts": falsy(
         "SGLang's switch; here every backend streams rows through generate_async without one"
     ),
@@ -52,10 +52,16 @@ NEMO_RL_GENERATION_KEYS: dict[str, ForeignKey] = {
         "the transport is chosen by the call, not the config: update_weights_from_ipc_handles "
         "(or gen_interface.weights.Refitter) when colocated, WeightBroadcaster across machines"
     ),
-    "refit_cfg": falsy("see refit_transport: the calls take their settings as arguments"),
+    "refit_cfg": ForeignKey(
+        "settings of the transports refit_transport chooses, which are refused; the calls here "
+        "take their settings as arguments"
+    ),
+    "mcore_generation_config": ForeignKey(
+        "settings of NeMo RL's Megatron generation backend, read only with backend: megatron"
+    ),
     "quant_cfg": falsy(_QUANTISED),
     "real_quant": falsy(_QUANTISED),
-    "real_quant_export_cpu_offload": falsy(_QUANTISED),
+    "real_quant_export_cpu_offload": ForeignKey(f"applies to real_quant only: {_QUANTISED}"),
     "real_quant_ignore": falsy(_QUANTISED),
     "_mtp_weights_from_refit": falsy("multi-token-prediction draft weights are not supported"),
     "_debug_payload_metrics": falsy("NeMo RL's internal refit metrics have no equivalent here"),

@@ -28,7 +28,15 @@ class ForeignKey:
     any other value is refused with ``reason`` (why, and what to use instead)."""
 
     reason: str
-    inert: Callable[[Any], bool] = lambda value: True
+    inert: Callable[[Any], bool] | None = None  # None: every value is inert (accepted, unread)
+
+    @property
+    def unread(self) -> bool:
+        """Every value is accepted and nothing reads it."""
+        return self.inert is None
+
+    def accepts(self, value: Any) -> bool:
+        return self.inert is None or self.inert(value)
 
     @staticmethod
     def only(reason: str, *values: Any) -> ForeignKey:
@@ -143,9 +151,9 @@ def _check_mapping(value: Any, schema: type, walk: _Walk, rel: str) -> None:
         if key in fields:
             _check_value(item, fields[key], walk, _join(rel, key))
         elif key in foreign:
-            if not foreign[key].inert(item):
+            if not foreign[key].accepts(item):
                 raise GenerationConfigError(
-                    f"`{walk.shown(_join(rel, key))}` = {_given(item)} is not supported: "
+                    f"`{walk.shown(_join(rel, key))}` = {_given(item)} is refused: "
                     f"{foreign[key].reason}"
                 )
         else:

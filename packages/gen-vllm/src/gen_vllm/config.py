@@ -146,7 +146,7 @@ _PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def _only_one(reason: str) -> ForeignKey:
-    return ForeignKey.only(reason, 1)
+    return ForeignKey.only(reason, 1, None)
 
 
 #: NeMo RL's ``vllm_cfg`` keys that this backend does not declare: accepted while off.
@@ -164,12 +164,18 @@ VLLM_FOREIGN_KEYS: ForeignKeys = {
             "expert parallelism is not supported: MoE models run tensor parallel "
             "(tensor_parallel_size)"
         ),
-        "cap_max_tokens_to_context": falsy(
-            "rows whose prompt plus max_new_tokens exceed max_model_len are refused, not "
-            "silently shortened; lower max_new_tokens or raise max_model_len"
+        "cap_max_tokens_to_context": ForeignKey(
+            "accepted either way: a row always stops at the context limit, marked truncated"
         ),
         "enable_return_routed_experts": falsy("MoE routing replay is not supported"),
-        "use_tqdm": falsy("no progress bar: generate logs its progress through `logging`"),
+        "use_tqdm": ForeignKey("unread: no progress bar; generate logs through `logging`"),
+        "use_deep_gemm": ForeignKey("unread: DeepGEMM serves fp8 precision, which is refused"),
+        "num_first_layers_in_bf16": falsy("applies to fp8 precision only, which is refused"),
+        "num_last_layers_in_bf16": falsy("applies to fp8 precision only, which is refused"),
+        "enable_vllm_metrics_logger": ForeignKey(
+            "unread: vLLM's engine metrics are not collected into the training loop's logger"
+        ),
+        "vllm_metrics_logger_interval": ForeignKey("unread: see enable_vllm_metrics_logger"),
         "env_vars": falsy(
             "set environment variables in the process that starts Ray; workers inherit them"
         ),
