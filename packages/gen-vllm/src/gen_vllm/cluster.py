@@ -128,28 +128,40 @@ class RayVirtualCluster:
         self.bundles: list[Bundle] = []
         from ray.util.placement_group import placement_group
 
-        for node_index, count in enumerate(self.bundle_ct_per_node_list):
-            cpus = num_cpus_per_bundle or max(1.0, float(int(cpus_per_node // count)))
-            spec: dict[str, float] = {"CPU": cpus}
-            if self.use_gpus:
-                spec["GPU"] = 1.0
-            group = placement_group(
-                [dict(spec) for _ in range(count)],
-                strategy="STRICT_PACK",
-                name=f"{name}-node{node_index}-{os.getpid()}-{id(self)}",
-            )
-            self._placement_groups.append(group)
-            self.bundles.extend(
-                Bundle(node_index, b, b, count, cpus, spec.get("GPU", 0.0)) for b in range(count)
-            )
+        # One entry per node: each group is reserved after the previous ones, on a node none of
+        # them holds (Ray places groups independently, so two could share a node otherwise).
+        nodes_taken: list[str] = []
         try:
-            ray.get([g.ready() for g in self._placement_groups], timeout=placement_timeout_s)
+            for node_index, count in enumerate(self.bundle_ct_per_node_list):
+                cpus = num_cpus_per_bundle or max(1.0, float(int(cpus_per_node // count)))
+                spec: dict[str, float] = {"CPU": cpus}
+                if self.use_gpus:
+                    spec["GPU"] = 1.0
+                self.bundles.extend(
+                    Bundle(node_index, b, b, count, cpus, spec.get("GPU", 0.0))
+                    for b in range(count)
+                )
+                group = placement_group(
+                    [dict(spec) for _ in range(count)],
+                    strategy="STRICT_PACK",
+                    name=f"{name}-node{node_index}-{os.getpid()}-{id(self)}",
+                    # No spaces: Ray ignores "!in(a, b)" with them.
+                    bundle_label_selector=(
+                        [{"ray.io/node-id": f"!in({','.join(nodes_taken)})"}] * count
+                        if nodes_taken
+                        else None
+                    ),
+                )
+                self._placement_groups.append(group)
+                ray.get(group.ready(), timeout=placement_timeout_s)
+                nodes_taken.append(_node_of(group))
         except Exception as exc:
             self.shutdown()
             raise BackendUnavailableError(
                 f"Ray could not reserve {self.bundle_ct_per_node_list} bundles of "
-                f"{self.bundles[0].num_cpus:g} CPUs{' and 1 GPU' if self.use_gpus else ''} within "
-                f"{placement_timeout_s:g} s (cluster has {resources}): {exc}"
+                f"{self.bundles[-1].num_cpus:g} CPUs{' and 1 GPU' if self.use_gpus else ''}, "
+                f"each entry on a node of its own, within {placement_timeout_s:g} s (cluster has "
+                f"{len(ray.nodes())} nodes and {resources}): {exc}"
             ) from exc
 
     @property
@@ -223,3 +235,10 @@ class RayVirtualCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _node_of(group: PlacementGroup) -> str:
+    """The node a ready STRICT_PACK group's bundles sit on."""
+    from ray.util.placement_group import placement_group_table
+
+    return str(next(iter(placement_group_table(group)["bundles_to_node_id"].values())))

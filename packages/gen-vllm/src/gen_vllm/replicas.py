@@ -289,10 +289,16 @@ def _start_actor(
             max_concurrency=_MAX_ROWS_IN_FLIGHT,
             runtime_env={"env_vars": env},
         ).remote(*args, _cpu_ids_for(cluster, bundle), env, engine_factory)
-    except ValueError as exc:  # Ray refuses a name that is taken, before creating anything
+    except ValueError as exc:  # Ray refuses before creating anything
+        clash = "already exists" in str(exc) or "already taken" in str(exc)
         raise BackendUnavailableError(
-            f"cannot start vLLM worker {name!r}: {exc}. Another VllmGeneration with "
-            f"name_prefix={name_prefix!r} runs on this cluster; give this one another name_prefix"
+            f"cannot start vLLM worker {name!r}: {exc}."
+            + (
+                f" Another VllmGeneration with name_prefix={name_prefix!r} runs on this cluster; "
+                "give this one another name_prefix"
+                if clash
+                else ""
+            )
         ) from exc
 
 
