@@ -183,17 +183,7 @@ def test_a_rank_left_with_wrong_weights_breaks_the_backend(clusters, backends, t
         greedy(backend)
 
 
-# ---- 4. engines never span nodes -------------------------------------------------------------
-
-
-def test_a_tensor_parallel_group_is_never_split_across_nodes(clusters, backends, tiny_qwen2):
-    with pytest.raises(BackendUnavailableError, match=r"multiple of 2 bundles \(e\.g\. \[2, 2\]\)"):
-        backends(clusters([3, 1]), tiny_qwen2, tensor_parallel_size=2)
-    cluster = clusters([2, 2])
-    backend = backends(cluster, tiny_qwen2, tensor_parallel_size=2)
-    groups = {g.id.hex()[:8]: node for node, g in enumerate(cluster._placement_groups)}
-    nodes = [{groups[device.split("-")[2]] for device in ranks} for ranks in backend.device_ids()]
-    assert nodes == [{0}, {1}]  # each engine's two ranks on one node, one engine per node
+# ---- 4. engines never span nodes: test_multi_node.py, on Ray's simulated multi-node cluster ----
 
 
 # ---- 5. sleep only when colocated ------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Rows streamed by ``generate_async`` (``capabilities.async_generation``), on any backend.
+
+Short rows come back before long ones; many concurrent calls from one event loop each get every
+row exactly once; closing a stream early leaves the backend usable; streamed rows are the rows
+``generate`` returns. Not part of ``GenerationConformanceSuite`` (a few hundred rows per test):
+subclass it once per backend with a ``subject`` fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from gen_testkit.strategies import pad_prompts
+from gen_testkit.suite.base import ConformanceSubject
+
+__all__ = ["AsyncRowChecks"]
+
+PROMPTS = [[5, 17, 42, 8], [99, 3], [7, 7, 7], [11, 12, 13, 14, 15]]
+
+
+class AsyncRowChecks:
+    """``concurrent_calls`` calls of ``rows_per_call`` rows each run at once in one test."""
+
+    concurrent_calls = 50
+    rows_per_call = 4
+
+    @pytest.fixture(scope="class")
+    def streaming(self, subject: ConformanceSubject) -> Any:
+        if not subject.backend.capabilities.async_generation:
+            pytest.skip("backend does not stream rows")
+        return subject.backend  # with_sampling: every backend here has it
+
+    def test_streamed_rows_are_the_rows_generate_returns(self, streaming: Any) -> None:
+        view = streaming.with_sampling(max_new_tokens=12, stop_token_ids=[], seed=3)
+        batch = pad_prompts(PROMPTS, "left")
+        for greedy in (True, False):
+            expected = view.generate(batch, greedy=greedy)
+            rows = asyncio.run(_collect(view, batch, greedy))
+            assert sorted(i for i, _ in rows) == list(range(len(PROMPTS)))
+            for i, row in rows:
+                width = int(expected["unpadded_sequence_lengths"][i])
+                assert torch.equal(row["output_ids"][0], expected["output_ids"][i, :width])
+                assert torch.equal(row["logprobs"][0], expected["logprobs"][i, :width])
+
+    def test_short_rows_arrive_before_long_ones(self, streaming: Any) -> None:
+        long = 96
+        view = streaming.with_sampling(max_new_tokens=long, stop_token_ids=[])
+        # A stop token that the row of PROMPTS[1] emits first: that row ends after one token.
+        alone = view.generate(pad_prompts([PROMPTS[1]], "left"), greedy=True)
+        stopper = view.with_sampling(stop_token_ids=[int(alone["output_ids"][0, 2])])
+        batch = pad_prompts(PROMPTS, "left")
+        lengths = stopper.generate(batch, greedy=True)["generation_lengths"].tolist()
+        short = sorted(i for i, n in enumerate(lengths) if n < long // 4)
+        assert short and len(short) < len(PROMPTS), lengths
+        order = [i for i, _ in asyncio.run(_collect(stopper, batch, True))]
+        assert sorted(order[: len(short)]) == short, (order, lengths)
+
+    def test_many_concurrent_calls_from_one_event_loop_each_get_every_row_once(
+        self, streaming: Any
+    ) -> None:
+        view = streaming.with_sampling(max_new_tokens=6, stop_token_ids=[], seed=1)
+        batches = [
+            pad_prompts([[(c * 7 + r) % 200 + 3, 5] for r in range(self.rows_per_call)], "left")
+            for c in range(self.concurrent_calls)
+        ]
+
+        async def run_all() -> list[list[tuple[int, Any]]]:
+            return list(await asyncio.gather(*(_collect(view, b, False) for b in batches)))
+
+        results = asyncio.run(run_all())
+        for call, rows in enumerate(results):
+            assert sorted(i for i, _ in rows) == list(range(self.rows_per_call)), call
+            for i, row in rows:
+                prompt = batches[call]["input_ids"][i][-2:]
+                assert torch.equal(row["output_ids"][0, :2], prompt), (call, i)
+                assert int(row["generation_lengths"][0]) == 6
+
+    def test_closing_a_stream_early_leaves_the_backend_usable(self, streaming: Any) -> None:
+        view = streaming.with_sampling(max_new_tokens=200, stop_token_ids=[])
+        batch = pad_prompts(PROMPTS, "left")
+
+        async def first_row_then_close() -> int:
+            stream = view.generate_async(batch, greedy=True)
+            index, _row = await stream.__anext__()
+            await stream.aclose()
+            return int(index)
+
+        assert asyncio.run(first_row_then_close()) in range(len(PROMPTS))
+        again = view.with_sampling(max_new_tokens=3).generate(batch, greedy=True)
+        assert again["generation_lengths"].tolist() == [3] * len(PROMPTS)
+
+
+async def _collect(view: Any, batch: Any, greedy: bool) -> list[tuple[int, Any]]:
+    return [item async for item in view.generate_async(batch, greedy)]
