@@ -320,8 +320,8 @@ class HfGeneration(GenerationInterface):
     def start_weight_update(
         self, version: int | None = None, *, in_flight: InFlight = "keep"
     ) -> int:
-        """Open a transaction; it waits for a running ``generate`` to end (no in-flight
-        updates here), whatever ``in_flight`` says."""
+        """Open a transaction; running calls pause at their next decode step (``"keep"``) or
+        end there, cut short (``"abort"``): see ``gate.py``."""
         return self._weights.start(version, in_flight)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:

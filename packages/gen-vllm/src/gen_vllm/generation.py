@@ -5,9 +5,8 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, cast
 
 import torch
@@ -17,7 +16,6 @@ from gen_interface import (
     BatchedDataDict,
     GenerationConfig,
     GenerationDatumSpec,
-    GenerationError,
     GenerationInputError,
     GenerationInterface,
     GenerationOutputSpec,
@@ -25,7 +23,6 @@ from gen_interface import (
     PromptBatch,
     RowResult,
     ScoreSpec,
-    WeightUpdateError,
     build_generation_output,
     normalize_generation_input,
     sampling_settings_of,
@@ -39,7 +36,6 @@ from gen_interface.schema import ForeignKeys
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
     WeightUpdates,
-    WeightUpdateSteps,
     check_update_is_complete,
     check_weights_match,
     release_shared_weights,
@@ -55,9 +51,9 @@ from gen_vllm.engine_args import engine_args_for
 from gen_vllm.messages import RowOutput, RowRequest
 from gen_vllm.params import row_sampling_params
 from gen_vllm.receive import LoadInfo
-from gen_vllm.refit import MixedWeightsError, verify_update
-from gen_vllm.replicas import ReplicaSet, Timeouts, WorkerLostError
+from gen_vllm.replicas import ReplicaSet, Timeouts
 from gen_vllm.router import RowRouter
+from gen_vllm.update_steps import ReplicaUpdateSteps, failures_break
 
 __all__ = ["VllmGeneration"]
 
@@ -65,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 # A fixed sequence every replica scores after a weight update: identical results prove that all
 # replicas run the same weights, packed kernels included.
-_PROBE = list(range(3, 35))
 
 
 class VllmGeneration(GenerationInterface):
@@ -146,15 +141,18 @@ class VllmGeneration(GenerationInterface):
             close=self._close,
             weights_absent=DUMMY_WEIGHTS if cfg["load_format"] == "dummy" else None,
         )
+        self._updates = ReplicaUpdateSteps(
+            self.replicas,
+            self._lifecycle,
+            vocab_size=self.vocab_size,
+            context_limit=self.context_limit,
+        )
         self._weights = WeightUpdates(
             self._lifecycle,
             checkpoint,
             first["optional_weights"],
-            WeightUpdateSteps(
-                begin=self._begin_update,
-                load=lambda handles: self._load(LoadInfo(handles=cast(WeightHandles, handles))),
-                commit=self._commit_update,
-                abort=self._abort_update,
+            self._updates.steps(
+                lambda handles: self._updates.load(LoadInfo(handles=cast(WeightHandles, handles)))
             ),
         )
 
@@ -366,20 +364,10 @@ class VllmGeneration(GenerationInterface):
             self._owned_cluster.shutdown()
             self._owned_cluster = None
 
-    @contextmanager
-    def _failures_break_the_backend(self) -> Iterator[None]:
-        """A lost worker or a timed-out control call leaves engines in an unknown state."""
-        try:
-            yield
-        except WorkerLostError as exc:
-            self._lifecycle.mark_broken(str(exc))
-            raise
+    def _failures_break_the_backend(self) -> AbstractContextManager[None]:
+        return failures_break(self._lifecycle)
 
-    # ---- weights -----------------------------------------------------------------------------
-    #
-    # A weight update is vLLM's own transaction in every worker (start_weight_update, loads,
-    # finish_weight_update) run by this project's transfer engine; WeightUpdates holds the rules
-    # (checks before writing, completeness, version) and calls the steps below.
+    # ---- weights: WeightUpdates holds the rules, update_steps.py the workers' side -----------
 
     @property
     def weight_version(self) -> int:
@@ -413,7 +401,7 @@ class VllmGeneration(GenerationInterface):
     def update_weights_from_collective(self, bucket: Mapping[str, Any]) -> None:
         specs = describe_slots(bucket["tensors"])
         self._weights.load_described(
-            specs, lambda: self._load(LoadInfo(broadcast=cast(BroadcastBucket, bucket)))
+            specs, lambda: self._updates.load(LoadInfo(broadcast=cast(BroadcastBucket, bucket)))
         )
 
     def commit_weight_update(self) -> int:
@@ -429,74 +417,6 @@ class VllmGeneration(GenerationInterface):
         with self._failures_break_the_backend():
             tp = self.config["vllm_cfg"]["tensor_parallel_size"]
             self.replicas.init_collective(cast(CollectiveEndpoint, dict(endpoint)), tp)
-
-    def _begin_update(self, version: int, in_flight: InFlight) -> None:
-        failed = _errors(self.replicas.start_weight_update(in_flight))
-        if failed:
-            self._break_if_lost(failed)
-            self._close_update_on_workers()
-            raise failed[0]
-
-    def _load(self, info: LoadInfo) -> None:
-        failed = _errors(self.replicas.load_weights(info))
-        if failed:
-            self._break_if_lost(failed)
-            raise WeightUpdateError(
-                f"a weight load failed on {len(failed)} replica(s): {failed[0]}"
-            )
-
-    def _break_if_lost(self, failed: list[GenerationError]) -> None:
-        """A worker that died or stopped answering mid-update leaves its engine unknown."""
-        lost = [e for e in failed if isinstance(e, WorkerLostError)]
-        if lost:
-            self._lifecycle.mark_broken(str(lost[0]))
-            raise WeightUpdateError(
-                f"{lost[0]}; this VllmGeneration is now broken: shut it down and build a new one"
-            ) from lost[0]
-
-    def _commit_update(self, version: int) -> None:
-        start = time.perf_counter()
-        with self._failures_break_the_backend():
-            try:
-                reports = verify_update(self.replicas.finish_weight_update(version))
-                if self.num_replicas > 1:
-                    self._check_replicas_agree()
-            except MixedWeightsError as exc:
-                self._lifecycle.mark_broken(str(exc))
-                raise WeightUpdateError(
-                    f"{exc}; this VllmGeneration is now broken: shut it down and build a new one"
-                ) from exc
-        logger.info(
-            "committed weight version %d on %d workers in %.2f s",
-            version,
-            len(reports),
-            time.perf_counter() - start,
-        )
-
-    def _abort_update(self, written: bool) -> None:
-        self._close_update_on_workers()
-
-    def _close_update_on_workers(self) -> None:
-        """Finish the workers' transactions without a new version (an abort)."""
-        if self._lifecycle.state == "broken":
-            return  # nothing to save; shutdown frees the workers
-        failed = _errors(self.replicas.finish_weight_update(None))
-        if failed:
-            logger.warning("closing an aborted weight update failed: %s", failed[0])
-            self._break_if_lost(failed)
-
-    def _check_replicas_agree(self) -> None:
-        probe = [t % self.vocab_size for t in _PROBE[: max(2, self.context_limit - 1)]]
-        scores = self.replicas.score([([probe], [1])] * self.num_replicas)
-        if any(s != scores[0] for s in scores[1:]):
-            raise MixedWeightsError(
-                "replicas give different logprobs for the same sequence after a weight update; "
-                "their weights differ"
-            )
-
-
-def _errors(outcomes: list[Any]) -> list[GenerationError]:
-    return [o for o in outcomes if isinstance(o, GenerationError)]
 
 
 def _row_result(row: RowOutput) -> RowResult:
