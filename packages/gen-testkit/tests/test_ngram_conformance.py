@@ -7,6 +7,7 @@ from gen_testkit.conformance import (
     conformance_config,
 )
 from gen_testkit.ngram import NgramGeneration
+from gen_testkit.suite.staleness import StalenessChecks
 
 VOCAB = 512
 
@@ -36,5 +37,14 @@ class TestNgramProcessed(TestNgramRaw):
     @classmethod
     def subject(cls):
         subject = ngram_subject("processed")
+        yield subject
+        subject.backend.shutdown()
+
+
+class TestNgramStaleness(StalenessChecks):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls):
+        subject = ngram_subject("raw")
         yield subject
         subject.backend.shutdown()

@@ -132,10 +132,11 @@ class HfGeneration(GenerationInterface):
     def with_sampling(self, **overrides: Any) -> HfGeneration:
         """Another front end on the same loaded model, with other per-call settings.
 
-        Only ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
-        ``stop_strings`` and ``seed`` may change. The front end shares the model, its weights
-        (updates through either reach both) and its lifecycle (finishing either finishes both);
-        shutting the front end down leaves the model to its owner.
+        Only ``PER_CALL_SETTINGS`` may change: ``max_new_tokens``, ``temperature``, ``top_p``,
+        ``top_k``, ``stop_token_ids``, ``stop_strings``, ``seed`` and ``max_weight_staleness``. The
+        front end shares the model, its weights (updates through either reach both) and its
+        lifecycle (finishing either finishes both); shutting the front end down leaves the model
+        to its owner.
 
         Raises:
             GenerationConfigError: an override names another setting, or is out of range.
@@ -191,6 +192,7 @@ class HfGeneration(GenerationInterface):
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
         prompts, run = self._call(data, greedy)
+        self._weights.admit(self.config.get("max_weight_staleness"))
         with self._lifecycle.generating():
             results = run(DecodeCall(self._gate, self._gate.enter()))
         return build_generation_output(prompts, results, self.config["pad_token_id"])
@@ -202,6 +204,7 @@ class HfGeneration(GenerationInterface):
         one forward group finish in any order). Closing the iterator early ends the call at its
         next step."""
         prompts, run = self._call(data, greedy)
+        await self._weights.admit_async(self.config.get("max_weight_staleness"))
         pad = self.config["pad_token_id"]
         loop = asyncio.get_running_loop()
         finished: asyncio.Queue[tuple[int, RowResult] | BaseException | None] = asyncio.Queue()
@@ -323,6 +326,9 @@ class HfGeneration(GenerationInterface):
         """Open a transaction; running calls pause at their next decode step (``"keep"``) or
         end there, cut short (``"abort"``): see ``gate.py``."""
         return self._weights.start(version, in_flight)
+
+    def announce_weight_version(self, version: int) -> None:
+        self._weights.announce(version)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         try:

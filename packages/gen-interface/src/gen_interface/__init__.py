@@ -20,6 +20,7 @@ from gen_interface.errors import (
     GenerationConfigError,
     GenerationError,
     GenerationInputError,
+    StaleWeightsError,
     WeightsAbsentError,
     WeightUpdateError,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "PromptBatch",
     "RowResult",
     "ScoreSpec",
+    "StaleWeightsError",
     "TokenizerLike",
     "WeightTransport",
     "WeightUpdateError",

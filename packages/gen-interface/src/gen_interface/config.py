@@ -42,12 +42,22 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "seed": None,
     "dtype": "auto",
     "colocated": {"enabled": False},
+    "max_weight_staleness": None,
 }
 
 #: Settings a backend can change between calls without reloading anything (vLLM takes them per
 #: request); ``with_sampling`` front ends may override these and nothing else.
 PER_CALL_SETTINGS = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop_strings", "seed"}
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_token_ids",
+        "stop_strings",
+        "seed",
+        "max_weight_staleness",
+    }
 )
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -162,6 +172,8 @@ def validate_generation_config(
         _int_field(config, "seed", minimum=0, maximum=MAX_SEED, hint="None = fresh randomness")
     if config.get("dtype", "auto") not in _DTYPES:
         raise GenerationConfigError(f"dtype must be one of {_DTYPES}, got {config.get('dtype')!r}")
+    if config.get("max_weight_staleness") is not None:
+        _int_field(config, "max_weight_staleness", minimum=0, hint="None = no bound")
     colocated = config.get("colocated", {"enabled": False})
     if not isinstance(colocated, Mapping) or not isinstance(colocated.get("enabled"), bool):
         raise GenerationConfigError(

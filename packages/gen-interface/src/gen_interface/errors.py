@@ -12,6 +12,7 @@ __all__ = [
     "GenerationConfigError",
     "GenerationError",
     "GenerationInputError",
+    "StaleWeightsError",
     "WeightUpdateError",
     "WeightsAbsentError",
 ]
@@ -48,3 +49,10 @@ class WeightsAbsentError(GenerationError):
     """``generate`` before the backend has real weights: it started without reading its
     checkpoint (``load_format: dummy``) and no weight update has committed yet. Nothing ran; the
     backend is usable, and generates once an update commits."""
+
+
+class StaleWeightsError(GenerationError):
+    """Rows would start on weights more than ``max_weight_staleness`` versions behind the newest
+    version announced (``announce_weight_version`` or ``start_weight_update``), and no update in
+    progress would close the gap. Nothing ran; the backend is usable: update the weights, then
+    call again."""

@@ -181,6 +181,22 @@ class GenerationInterface(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not support start_weight_update")
 
+    def announce_weight_version(self, version: int) -> None:
+        """Say that the trainer's weights reached ``version``, whether or not they are sent yet.
+
+        Only the config's ``max_weight_staleness`` (N) reads it: rows then start only on weights
+        at most N versions behind the newest version announced (here, or by
+        ``start_weight_update``). A call whose rows would start on older weights waits for an
+        update in progress that closes the gap, or raises ``StaleWeightsError`` when none is
+        open. Announcing an older version than one announced before changes nothing. Rows
+        already running are not stopped: their ``weight_versions`` say what produced each token.
+
+        Raises:
+            WeightUpdateError: ``version`` is not an integer >= 0.
+            NotImplementedError: the backend cannot update weights (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support announce_weight_version")
+
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         """Load weights shared by ``gen_interface.weights`` (``share_weights`` or a ``refit``).
 

@@ -55,6 +55,9 @@ class GenerationConfig(TypedDict, total=False):
     seed: int | None  # base of the per-row sampling seeds; None = fresh randomness each call
     dtype: DType  # model dtype; default "auto" (the checkpoint's)
     colocated: ColocatedConfig  # default {"enabled": False}
+    # None (default) or N >= 0: rows start only on weights at most N versions behind the newest
+    # announced (GenerationInterface.announce_weight_version); see StaleWeightsError
+    max_weight_staleness: int | None
 
 
 class GenerationDatumSpec(TypedDict):

@@ -187,6 +187,7 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "seed": st.none() | st.integers(0, 2**64 - 1),
             "dtype": st.sampled_from(["auto", "float32", "bfloat16", "float16"]),
             "colocated": st.fixed_dictionaries({"enabled": st.booleans()}),
+            "max_weight_staleness": st.none() | st.integers(0, 10**6),
         },
         "colocated": {"enabled": st.booleans()},
     }

@@ -138,6 +138,7 @@ def generation_configs(
         "seed": draw(st.one_of(st.none(), st.integers(0, 2**31 - 1))),
         "dtype": draw(st.sampled_from(["auto", "float32", "bfloat16", "float16"])),
         "colocated": {"enabled": draw(st.booleans())},
+        "max_weight_staleness": draw(st.one_of(st.none(), st.integers(0, 8))),
     }
 
 
@@ -156,6 +157,7 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "seed": [-1, 1.5, "7"],
     "dtype": ["fp32", "float64", None],
     "colocated": [True, {}, {"enabled": "yes"}, None],
+    "max_weight_staleness": [-1, 1.5, "2", True],
 }
 
 

@@ -183,7 +183,8 @@ class VllmGeneration(GenerationInterface):
 
         For evaluation with other sampling settings than training, without a second set of
         engines. Only settings vLLM takes per request may change: ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``stop_strings``, ``seed``.
+        ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``stop_strings``, ``seed``; and
+        ``max_weight_staleness``, which the front end checks before any request is sent.
         The front end shares the engines, their weights and their lifecycle (finishing either
         finishes both); shutting it down closes only the front end.
 
@@ -238,6 +239,7 @@ class VllmGeneration(GenerationInterface):
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
         prompts, requests, costs = self._requests(data, greedy)
+        self._weights.admit(self.config.get("max_weight_staleness"))
         with self._lifecycle.generating():
             rows: list[RowOutput | None] = [None] * len(requests)
             with self._failures_break_the_backend():
@@ -255,6 +257,7 @@ class VllmGeneration(GenerationInterface):
         Closing the iterator early aborts the rows not yet returned.
         """
         prompts, requests, costs = self._requests(data, greedy)
+        await self._weights.admit_async(self.config.get("max_weight_staleness"))
         pad = self.config["pad_token_id"]
         with self._lifecycle.generating(), self._failures_break_the_backend():
             rows = self._loop.stream(
@@ -383,6 +386,9 @@ class VllmGeneration(GenerationInterface):
         self, version: int | None = None, *, in_flight: InFlight = "keep"
     ) -> int:
         return self._weights.start(version, in_flight)
+
+    def announce_weight_version(self, version: int) -> None:
+        self._weights.announce(version)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         """Load shared buckets into every replica: one load of the open transaction, or a

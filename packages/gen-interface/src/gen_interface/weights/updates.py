@@ -3,17 +3,19 @@
 A backend says how to begin, load, commit and abort on its own workers; this class owns the
 rules: one transaction at a time, each load checked before it is written, a single-call update
 being a complete transaction that is checked in full before anything is written, the version, and
-what the lifecycle learns (weights woken for the update, real weights present or not).
+what the lifecycle learns (weights woken for the update, real weights present or not), and the
+optional staleness bound on where rows may start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gen_interface.errors import WeightUpdateError
+from gen_interface.errors import StaleWeightsError, WeightUpdateError
 from gen_interface.lifecycle import Lifecycle, LifecycleView
 from gen_interface.weights.consumer import TensorSpecs, check_update_is_complete
 from gen_interface.weights.handles import describe_weight_handles
@@ -72,8 +74,12 @@ class WeightUpdates:
         self.optional = frozenset(optional)
         self.steps = steps
         self.version = 0
+        #: The newest version the trainer announced (``announce``, or by opening an update).
+        self.announced = 0
         self._open: WeightTransaction | None = None
         self._lock = threading.RLock()
+        #: Notified whenever the version, the announcement or the open transaction changes.
+        self._changed = threading.Condition()
 
     @property
     def in_progress(self) -> bool:
@@ -94,7 +100,9 @@ class WeightUpdates:
             except BaseException:
                 self.lifecycle.end_update()
                 raise
-            self._open = WeightTransaction(self.model, self.optional, target)
+            with self._changed:
+                self._open = WeightTransaction(self.model, self.optional, target)
+                self.announced = max(self.announced, target)
             return target
 
     def load(self, handles: Mapping[str, Any]) -> None:
@@ -135,8 +143,10 @@ class WeightUpdates:
             except BaseException:
                 self._close(written=txn.loads > 0, why="verifying it failed")
                 raise
-            self.version = txn.version
-            self._open = None
+            with self._changed:
+                self.version = txn.version
+                self._open = None
+                self._changed.notify_all()
             self.lifecycle.weights_arrived()
             self.lifecycle.end_update()
             return txn.version
@@ -152,12 +162,67 @@ class WeightUpdates:
             finally:
                 self._close(written=written, why="it was aborted after loads were written")
 
+    # ---- the staleness bound ------------------------------------------------------------
+
+    def announce(self, version: int) -> int:
+        """The trainer's weights reached ``version``, sent or not; see
+        ``GenerationInterface.announce_weight_version``. Returns the newest announced."""
+        next_version(self.version, version)  # checks that it is an integer >= 0
+        with self._changed:
+            self.announced = max(self.announced, version)
+            self._changed.notify_all()
+            return self.announced
+
+    def admit(self, max_staleness: int | None) -> None:
+        """Return once rows may start under a call's ``max_weight_staleness``: at once when the
+        committed weights are at most ``max_staleness`` versions behind the newest announced
+        (or the bound is None); after the open update commits when that update closes the gap.
+
+        Raises:
+            StaleWeightsError: the weights are too old and no open update would fix that (or
+                the one that would was aborted). Nothing ran; the backend is usable.
+            GenerationError: the backend was shut down or broke while rows waited.
+        """
+        if max_staleness is None:
+            return
+        with self._changed:
+            while self.announced - self.version > max_staleness:
+                txn = self._open
+                if txn is None or self.announced - txn.version > max_staleness:
+                    raise self._stale_error(max_staleness)
+                self._changed.wait(timeout=1.0)
+                if self.lifecycle.state in ("shut down", "broken"):
+                    self.lifecycle.check_can_generate()  # says which, and what to do
+
+    async def admit_async(self, max_staleness: int | None) -> None:
+        """``admit`` without blocking the event loop: a thread waits only when rows must."""
+        with self._changed:
+            if max_staleness is None or self.announced - self.version <= max_staleness:
+                return
+        await asyncio.to_thread(self.admit, max_staleness)
+
+    def _stale_error(self, max_staleness: int) -> StaleWeightsError:
+        txn = self._open
+        pending = (
+            f"; the update in progress (to version {txn.version}) would still leave them too old"
+            if txn is not None
+            else ""
+        )
+        return StaleWeightsError(
+            f"rows would start on weights of version {self.version}, but version "
+            f"{self.announced} was announced and max_weight_staleness is {max_staleness}"
+            f"{pending}. Nothing ran: update the weights to version "
+            f">= {self.announced - max_staleness}, then call again"
+        )
+
     def _close(self, *, written: bool, why: str) -> None:
         if written:
             self.lifecycle.weights_discarded(
                 f"a weight update left them part old, part new: {why}; commit a complete update"
             )
-        self._open = None
+        with self._changed:
+            self._open = None
+            self._changed.notify_all()
         self.lifecycle.end_update()
 
     def _require_open(self, what: str) -> WeightTransaction:

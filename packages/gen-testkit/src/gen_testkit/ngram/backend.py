@@ -7,9 +7,10 @@ the reference decoding step (``gen_interface.sampling.select_next_tokens``).
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar, TypedDict, cast
 
 import torch
 from gen_interface import (
@@ -28,9 +29,10 @@ from gen_interface import (
     normalize_generation_input,
     sampling_settings_of,
     validate_generation_config,
+    with_per_call_overrides,
 )
 from gen_interface.decoding import StopRules
-from gen_interface.lifecycle import Lifecycle
+from gen_interface.lifecycle import Lifecycle, LifecycleView
 from gen_interface.sampling import is_greedy, row_generators, row_seeds_for, select_next_tokens
 from gen_interface.scoring import normalize_score_input, scatter_response_logprobs
 from gen_interface.weights import (
@@ -85,11 +87,26 @@ class NgramGeneration(GenerationInterface):
         self.config = config
         self.model = NgramModel(settings["vocab_size"], settings["order"], settings["init_seed"])
         self.context_limit = int(settings["context_limit"])
-        self._lifecycle = Lifecycle("ngram backend")
+        self._lifecycle: Lifecycle | LifecycleView = Lifecycle("ngram backend")
         self._lock = threading.Lock()
         self._weights = WeightUpdates(
-            self._lifecycle, self.model.specs(), (), WeightUpdateSteps(load=self._load)
+            self._lifecycle,
+            self.model.specs(),
+            (),
+            WeightUpdateSteps(load=self._load),
         )
+
+    def with_sampling(self, **overrides: Any) -> NgramGeneration:
+        """Another front end on the same model with other ``PER_CALL_SETTINGS``; it shares the
+        weights and the lifecycle, and shutting it down closes only the front end.
+
+        Raises:
+            GenerationConfigError: an override names another setting, or is out of range.
+        """
+        view = copy.copy(self)
+        view.config = cast(GenerationConfig, with_per_call_overrides(self.config, overrides))
+        view._lifecycle = self._lifecycle.view()
+        return view
 
     @property
     def capabilities(self) -> BackendCapabilities:
@@ -113,6 +130,7 @@ class NgramGeneration(GenerationInterface):
             raise GenerationInputError(
                 "stop_strings need a tokenizer and the ngram backend has none; use stop_token_ids"
             )
+        self._weights.admit(self.config.get("max_weight_staleness"))
         with self._lifecycle.generating(), self._lock:
             version = self._weights.version
             temperature, top_k, top_p = sampling_settings_of(self.config)
@@ -192,6 +210,9 @@ class NgramGeneration(GenerationInterface):
         """Open a transaction; it waits for a running ``generate`` to end (no in-flight
         updates here), whatever ``in_flight`` says."""
         return self._weights.start(version, in_flight)
+
+    def announce_weight_version(self, version: int) -> None:
+        self._weights.announce(version)
 
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         try:

@@ -38,7 +38,8 @@ class InFlightUpdateChecks:
     long_tokens = 400
 
     @pytest.fixture(scope="class")
-    def weights(self, subject: ConformanceSubject) -> tuple[Mapping[str, torch.Tensor], dict]:
+    @classmethod
+    def weights(cls, subject: ConformanceSubject) -> tuple[Mapping[str, torch.Tensor], dict]:
         """``(the checkpoint's weights, clearly different ones)``."""
         if not subject.backend.capabilities.in_flight_updates:
             pytest.skip("backend does not claim in-flight weight updates")
