@@ -16,8 +16,8 @@ It plugs into the real ``VllmGenerationWorker`` / ``ReplicaSet`` / ``VllmGenerat
 ``engine_factory=FakeEngineFactory(...)``); tokens come from the tiny model's real forward pass,
 so outputs change with the weights exactly as a real engine's would.
 
-Faults for failure tests: ``hang_in`` (method names that never return), ``corrupt_one_load``
-(the first engine to load an update keeps one rank's shard wrong).
+Faults for failure tests: ``hang_in`` (method names that never return), and
+``arm_corrupt_load`` (the next engine to load an update keeps one rank's shard wrong).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class FakeEngineFactory:
         log_dir: where each engine appends its events (``<pid>.jsonl``) for tests to read.
         hang_in: engine methods (``"sleep"``, ``"wake_up"``, ``"reset_prefix_cache"``,
             ``"update"``) that block forever when called.
-        corrupt_one_load: the first engine (across processes) to load an update writes a wrong
-            shard on its last rank.
+
+    ``arm_corrupt_load(log_dir)`` makes the next engine to load an update write a wrong shard.
     """
 
     def __init__(
@@ -55,14 +55,21 @@ class FakeEngineFactory:
         log_dir: str | os.PathLike[str],
         *,
         hang_in: frozenset[str] = frozenset(),
-        corrupt_one_load: bool = False,
     ):
         self.log_dir = str(log_dir)
         self.hang_in = frozenset(hang_in)
-        self.corrupt_one_load = corrupt_one_load
 
     def __call__(self, model: str, engine_args: dict[str, Any]) -> FakeEngine:
         return FakeEngine(model, engine_args, self)
+
+
+_ARMED = "corrupt.armed"
+
+
+def arm_corrupt_load(log_dir: str | os.PathLike[str]) -> None:
+    """From now on, the first engine logging to ``log_dir`` to load an update writes a wrong shard
+    on its last rank (once, across processes)."""
+    (Path(log_dir) / _ARMED).touch()
 
 
 def read_events(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -138,7 +145,8 @@ class FakeEngine:
         if method == "update_weights":
             self._maybe_hang("update")
             self._log("update", mapped=[r.weights_mapped for r in self.ranks])
-            if self._factory.corrupt_one_load and self._claim("corrupt"):
+            armed = (Path(self._factory.log_dir) / _ARMED).exists()
+            if armed and self._claim("corrupt"):
                 self.ranks[-1].corrupt_next_load = True
         return [getattr(rank, method)(*args) for rank in self.ranks]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import fake_vllm_engine
 import pytest
 import torch
-from fake_vllm_engine import FakeEngineFactory, read_events
+from fake_vllm_engine import FakeEngineFactory, arm_corrupt_load, read_events
 from gen_interface import BackendUnavailableError, GenerationError, WeightUpdateError
-from gen_interface.weights import share_weights
+from gen_interface.weights import refit, share_weights
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
 
@@ -32,53 +32,101 @@ def ship_the_fake_by_value(ray_session):
     ray_session.cloudpickle.unregister_pickle_by_value(fake_vllm_engine)
 
 
-@pytest.fixture
-def clusters(ray_session):
-    """Builds GPU clusters (logical GPUs) and removes them after the test."""
-    from gen_vllm import RayVirtualCluster
+class FakeBackends:
+    """Builds GPU clusters (logical GPUs) and fake-engine backends logging to ``log_dir``, and
+    shuts them all down on ``close``."""
 
-    made = []
-    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    def __init__(self, ray_session, log_dir: Path):
+        self.gpus = int(ray_session.cluster_resources().get("GPU", 0))
+        self.log_dir = log_dir
+        self._made: list = []
 
-    def make(bundles, **kwargs):
-        if sum(bundles) > gpus:
-            pytest.skip(f"needs {sum(bundles)} (logical) GPUs in Ray, it has {gpus}")
+    def cluster(self, bundles, **kwargs):
+        from gen_vllm import RayVirtualCluster
+
+        if sum(bundles) > self.gpus:
+            pytest.skip(f"needs {sum(bundles)} (logical) GPUs in Ray, it has {self.gpus}")
         cluster = RayVirtualCluster(bundles, use_gpus=True, num_cpus_per_bundle=1, **kwargs)
-        made.append(cluster)
+        self._made.append(cluster)
         return cluster
 
-    yield make
-    for cluster in made:
-        cluster.shutdown()
+    def backend(self, cluster, model, *, colocated=False, name_prefix="fake", faults=None, **cfg):
+        from gen_vllm import VllmGeneration
 
-
-@pytest.fixture
-def backends(tmp_path):
-    """Builds fake-engine backends, logging to ``tmp_path``; shuts them down after the test."""
-    from gen_vllm import VllmGeneration
-
-    made = []
-
-    def make(cluster, model, *, colocated=False, name_prefix="fake", faults=None, **vllm_cfg):
         config = conformance_config(
             backend="vllm",
             model_name=str(model if isinstance(model, (str, Path)) else model.path),
             vocab_size=512,
             colocated={"enabled": colocated},
-            vllm_cfg=vllm_cfg,
+            vllm_cfg=cfg,
         )
         backend = VllmGeneration(
             cluster,
             config,
             name_prefix,
-            engine_factory=FakeEngineFactory(tmp_path, **(faults or {})),
+            engine_factory=FakeEngineFactory(self.log_dir, **(faults or {})),
         )
-        made.append(backend)
+        self._made.insert(0, backend)  # backends close before their clusters
         return backend
 
-    yield make
-    for backend in made:
-        backend.shutdown()
+    def events(self, backend, since: int = 0):
+        """``(event, level, tags)`` of the sleep, wake-up and update events of ``backend``'s first
+        engine, from its ``since``-th event on."""
+        mine = [e for e in read_events(self.log_dir) if e["pid"] == _pid_of(backend)]
+        return [
+            (e["event"], e.get("level"), e.get("tags"))
+            for e in mine[since:]
+            if e["event"] in ("sleep", "wake_up", "update")
+        ]
+
+    def event_count(self, backend) -> int:
+        return sum(e["pid"] == _pid_of(backend) for e in read_events(self.log_dir))
+
+    def close(self):
+        for made in self._made:
+            made.shutdown()
+        self._made.clear()
+
+
+@pytest.fixture(scope="module")
+def shared(ray_session, tmp_path_factory):
+    """Fake backends kept for the module: those no test breaks or shuts down."""
+    made = FakeBackends(ray_session, tmp_path_factory.mktemp("fake_engine_events"))
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def own(ray_session, tmp_path):
+    """Fake backends of one test: those it breaks, hangs or shuts down."""
+    made = FakeBackends(ray_session, tmp_path)
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_qwen2):
+    return perturbed(tiny_qwen2)
+
+
+@pytest.fixture(scope="module")
+def fresh_on_new_weights(shared, tiny_qwen2, new_weights, tmp_path_factory):
+    """A backend started on ``new_weights`` from disk, not colocated: what a refit must match."""
+    where = saved_model(tiny_qwen2, new_weights, tmp_path_factory.mktemp("new") / "model")
+    return shared.backend(shared.cluster([1]), where, name_prefix="fresh")
+
+
+@pytest.fixture(scope="module")
+def colocated_for_module(shared, tiny_qwen2):
+    return shared.backend(shared.cluster([1]), tiny_qwen2, colocated=True, name_prefix="coloc")
+
+
+@pytest.fixture
+def colocated(colocated_for_module, tiny_qwen2):
+    """The shared colocated backend, ready and back on the checkpoint's weights after the test."""
+    yield colocated_for_module
+    colocated_for_module.prepare_for_generation()
+    refit(colocated_for_module, tiny_qwen2.state_dict())
 
 
 def greedy(backend):
@@ -111,74 +159,59 @@ def saved_model(model, weights: dict[str, torch.Tensor], where: Path) -> Path:
 
 
 def test_a_refit_while_asleep_gives_what_a_fresh_engine_on_the_new_weights_gives(
-    clusters, backends, tiny_qwen2, tmp_path
+    shared, colocated, fresh_on_new_weights, new_weights
 ):
-    backend = backends(clusters([1]), tiny_qwen2, colocated=True)
-    before = greedy(backend)
-    new = perturbed(tiny_qwen2)
-    backend.finish_generation()  # colocated on a GPU: sleeps at level 1
-    with share_weights(new) as shared:
-        backend.update_weights_from_ipc_handles(shared.handles)
+    before = greedy(colocated)
+    since = shared.event_count(colocated)
+    colocated.finish_generation()  # colocated on a GPU: sleeps at level 1
+    with share_weights(new_weights) as handles:
+        colocated.update_weights_from_ipc_handles(handles.handles)
     with pytest.raises(GenerationError, match="after finish_generation"):
-        greedy(backend)  # the update woke the weights only; the KV cache still sleeps
-    backend.prepare_for_generation()
-    after = greedy(backend)
-    fresh = backends(
-        clusters([1]), saved_model(tiny_qwen2, new, tmp_path / "new"), name_prefix="f2"
-    )
-    assert_same(after, greedy(fresh))
+        greedy(colocated)  # the update woke the weights only; the KV cache still sleeps
+    colocated.prepare_for_generation()
+    after = greedy(colocated)
+    assert_same(after, greedy(fresh_on_new_weights))
     assert not torch.equal(after["logprobs"], before["logprobs"])
-    events = [
-        (e["event"], e.get("tags"))
-        for e in read_events(tmp_path)
-        if e["pid"] == _pid_of(backend) and e["event"] in ("sleep", "wake_up", "update")
-    ]
-    assert events == [
-        ("sleep", None),
-        ("wake_up", ["weights"]),  # the update wakes the weights only ...
-        ("update", None),
-        ("wake_up", ["kv_cache"]),  # ... and prepare_for_generation the rest
+    assert shared.events(colocated, since) == [
+        ("sleep", 1, None),
+        ("wake_up", None, ["weights"]),  # the update wakes the weights only ...
+        ("update", None, None),
+        ("wake_up", None, ["kv_cache"]),  # ... and prepare_for_generation the rest
     ]
 
 
-def test_nemo_rl_refit_order_with_tags_restores_the_outputs(clusters, backends, tiny_qwen2):
-    backend = backends(clusters([1]), tiny_qwen2, colocated=True)
-    before = greedy(backend)
-    with share_weights(perturbed(tiny_qwen2)) as shared:
-        backend.update_weights_from_ipc_handles(shared.handles)
-    backend.finish_generation()
-    backend.prepare_for_generation(tags=["weights"])
-    with share_weights(tiny_qwen2.state_dict()) as shared:
-        backend.update_weights_from_ipc_handles(shared.handles)
-    backend.prepare_for_generation(tags=["kv_cache"])
-    assert_same(greedy(backend), before)
+def test_nemo_rl_refit_order_with_tags_restores_the_outputs(colocated, new_weights, tiny_qwen2):
+    before = greedy(colocated)
+    with share_weights(new_weights) as handles:
+        colocated.update_weights_from_ipc_handles(handles.handles)
+    colocated.finish_generation()
+    colocated.prepare_for_generation(tags=["weights"])
+    with share_weights(tiny_qwen2.state_dict()) as handles:
+        colocated.update_weights_from_ipc_handles(handles.handles)
+    colocated.prepare_for_generation(tags=["kv_cache"])
+    assert_same(greedy(colocated), before)
 
 
 # ---- 2. tensor parallelism -------------------------------------------------------------------
 
 
-def test_tensor_parallel_replicas_verify_rank_by_rank(clusters, backends, tiny_qwen2, tmp_path):
-    backend = backends(clusters([4]), tiny_qwen2, tensor_parallel_size=2)
+def test_tensor_parallel_replicas_verify_rank_by_rank(
+    own, tiny_qwen2, fresh_on_new_weights, new_weights
+):
+    """An update reaches every rank's own shard and is checked rank by rank: a rank left with
+    wrong weights is found, and the backend is then broken."""
+    backend = own.backend(own.cluster([4]), tiny_qwen2, tensor_parallel_size=2)
     assert backend.num_replicas == 2
     assert all(len(set(ids)) == 2 for ids in backend.device_ids())  # two ranks per engine
-    new = perturbed(tiny_qwen2)
-    with share_weights(new) as shared:
-        backend.update_weights_from_ipc_handles(shared.handles)  # shards differ per rank
-    fresh = backends(
-        clusters([1]), saved_model(tiny_qwen2, new, tmp_path / "new"), name_prefix="f2"
-    )
-    assert_same(greedy(backend), greedy(fresh))
-
-
-def test_a_rank_left_with_wrong_weights_breaks_the_backend(clusters, backends, tiny_qwen2):
-    backend = backends(
-        clusters([4]), tiny_qwen2, tensor_parallel_size=2, faults={"corrupt_one_load": True}
-    )
+    with share_weights(new_weights) as handles:
+        backend.update_weights_from_ipc_handles(handles.handles)  # shards differ per rank
+    assert_same(greedy(backend), greedy(fresh_on_new_weights))
+    arm_corrupt_load(own.log_dir)  # the next load writes a wrong shard on one engine's rank 1
     with (
-        share_weights(perturbed(tiny_qwen2)) as shared,
+        share_weights(tiny_qwen2.state_dict()) as handles,
         pytest.raises(WeightUpdateError, match=r"rank 1 holds different weights.*broken"),
     ):
-        backend.update_weights_from_ipc_handles(shared.handles)
+        backend.update_weights_from_ipc_handles(handles.handles)
     with pytest.raises(GenerationError, match="broken"):
         greedy(backend)
 
@@ -189,22 +222,19 @@ def test_a_rank_left_with_wrong_weights_breaks_the_backend(clusters, backends, t
 # ---- 5. sleep only when colocated ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("colocated", [False, True])
-def test_engines_sleep_on_finish_only_when_colocated(
-    clusters, backends, tiny_qwen2, tmp_path, colocated
-):
-    backend = backends(clusters([1]), tiny_qwen2, colocated=colocated)
+@pytest.mark.parametrize("name", ["colocated", "fresh_on_new_weights"])
+def test_engines_sleep_on_finish_only_when_colocated(shared, request, name):
+    backend = request.getfixturevalue(name)
+    colocated = name == "colocated"
     assert backend.capabilities.sleep == colocated
     before = greedy(backend)
+    since = shared.event_count(backend)
     backend.finish_generation()
     backend.prepare_for_generation()
     assert_same(greedy(backend), before)
-    events = [e for e in read_events(tmp_path) if e["event"] in ("sleep", "wake_up")]
+    events = [e for e in shared.events(backend, since) if e[0] != "update"]
     if colocated:
-        assert [(e["event"], e.get("level"), e.get("tags")) for e in events] == [
-            ("sleep", 1, None),
-            ("wake_up", None, ["weights", "kv_cache"]),
-        ]
+        assert events == [("sleep", 1, None), ("wake_up", None, ["weights", "kv_cache"])]
     else:
         assert events == []
 
@@ -212,16 +242,21 @@ def test_engines_sleep_on_finish_only_when_colocated(
 # ---- 6. with_sampling front ends share the lifecycle ------------------------------------------
 
 
-def test_front_ends_share_the_owners_lifecycle(clusters, backends, tiny_qwen2):
-    owner = backends(clusters([1]), tiny_qwen2, colocated=True)
-    view = owner.with_sampling(max_new_tokens=3)
-    owner.finish_generation()
+def test_front_ends_share_the_owners_lifecycle(colocated):
+    view = colocated.with_sampling(max_new_tokens=3)
+    colocated.finish_generation()
     with pytest.raises(GenerationError, match="after finish_generation"):
         greedy(view)  # would otherwise compute on sleeping memory
-    owner.prepare_for_generation()
+    colocated.prepare_for_generation()
     assert greedy(view)["generation_lengths"].max() <= 3
     view.shutdown()
-    assert greedy(owner).size == len(PROMPTS)
+    with pytest.raises(GenerationError, match="shut down"):
+        greedy(view)
+    assert greedy(colocated).size == len(PROMPTS)  # closing a front end leaves its owner
+
+
+def test_front_ends_of_a_shut_down_owner_refuse_to_generate(own, tiny_qwen2):
+    owner = own.backend(own.cluster([1]), tiny_qwen2)
     other = owner.with_sampling(max_new_tokens=2)
     owner.shutdown()
     with pytest.raises(GenerationError, match="shut down"):
@@ -231,9 +266,9 @@ def test_front_ends_share_the_owners_lifecycle(clusters, backends, tiny_qwen2):
 # ---- 7. failures -----------------------------------------------------------------------------
 
 
-def test_a_hung_sleep_times_out_and_breaks_the_backend(clusters, backends, tiny_qwen2):
-    backend = backends(
-        clusters([1]),
+def test_a_hung_sleep_times_out_and_breaks_the_backend(own, tiny_qwen2):
+    backend = own.backend(
+        own.cluster([1]),
         tiny_qwen2,
         colocated=True,
         faults={"hang_in": frozenset({"sleep"})},
@@ -248,43 +283,39 @@ def test_a_hung_sleep_times_out_and_breaks_the_backend(clusters, backends, tiny_
             call()
 
 
-def test_a_hung_update_times_out_and_breaks_the_backend(clusters, backends, tiny_qwen2):
-    backend = backends(
-        clusters([1]), tiny_qwen2, faults={"hang_in": frozenset({"update"})}, update_timeout_s=2.0
-    )
+def test_a_hung_update_times_out_and_breaks_the_backend(own, tiny_qwen2, new_weights):
+    hang = {"hang_in": frozenset({"update"})}
+    backend = own.backend(own.cluster([1]), tiny_qwen2, faults=hang, update_timeout_s=2.0)
     with (
-        share_weights(perturbed(tiny_qwen2)) as shared,
+        share_weights(new_weights) as handles,
         pytest.raises(WeightUpdateError, match=r"within 2 s.*broken"),
     ):
-        backend.update_weights_from_ipc_handles(shared.handles)
+        backend.update_weights_from_ipc_handles(handles.handles)
     with pytest.raises(GenerationError, match="broken"):
         greedy(backend)
 
 
 def test_an_actor_name_clash_is_a_typed_error_and_leaks_no_actor(
-    clusters, backends, tiny_qwen2, ray_session
+    own, colocated, tiny_qwen2, ray_session
 ):
-    cluster = clusters([2], max_colocated_worker_groups=2)
-    backends(cluster, tiny_qwen2, name_prefix="same")
     named = set(ray_session.util.list_named_actors())
-    with pytest.raises(BackendUnavailableError, match="name_prefix='same'"):
-        backends(cluster, tiny_qwen2, name_prefix="same")
+    with pytest.raises(BackendUnavailableError, match="name_prefix='coloc'"):
+        own.backend(colocated.cluster, tiny_qwen2, name_prefix="coloc")  # the same names
     assert set(ray_session.util.list_named_actors()) == named
+    assert greedy(colocated).size == len(PROMPTS)  # the backend that holds the names goes on
 
 
 def _pid_of(backend) -> int:
     return backend.replicas.infos[0]["pid"]
 
 
-def test_a_worker_killed_mid_transaction_breaks_the_backend(clusters, backends, tiny_qwen2):
+def test_a_worker_killed_mid_transaction_breaks_the_backend(own, tiny_qwen2, new_weights):
     """One replica dies between two loads of a refit: the update fails, no replica is left
     serving half-updated weights, and the backend says it is broken."""
     import os
     import signal
 
-    from gen_interface.weights import refit
-
-    backend = backends(clusters([2]), tiny_qwen2)
+    backend = own.backend(own.cluster([2]), tiny_qwen2)
     real_update = backend.update_weights_from_ipc_handles
     loads = []
 
@@ -296,7 +327,7 @@ def test_a_worker_killed_mid_transaction_breaks_the_backend(clusters, backends, 
 
     backend.update_weights_from_ipc_handles = kill_before_the_second_load
     with pytest.raises(WeightUpdateError, match=r"died.*broken"):
-        refit(backend, perturbed(tiny_qwen2), bucket_bytes=200_000)
+        refit(backend, new_weights, bucket_bytes=200_000)
     assert len(loads) >= 2  # the load after the kill may have been sent before it failed
     with pytest.raises(GenerationError, match="broken"):
         greedy(backend)
