@@ -309,6 +309,21 @@ def _subject(fault):
     return ConformanceSubject(backend, 512, backend.state_dict())
 """
 
+#: Only whether each test fails matters here, not its smallest failing example: skip shrinking.
+_NO_SHRINKING = """
+import pytest
+from hypothesis import Phase, settings
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    settings.register_profile(
+        "faults",
+        parent=settings.get_profile("ci"),
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    )
+    settings.load_profile("faults")
+"""
+
 _CLASS = """
 class TestFault{index}(GenerationConformanceSuite):
     claims_weight_updates = True
@@ -323,6 +338,7 @@ class TestFault{index}(GenerationConformanceSuite):
 
 def test_every_fault_fails_the_tests_that_guard_against_it(pytester):
     faults = sorted(FAULTS)
+    pytester.makeconftest(_NO_SHRINKING)
     pytester.makepyfile(
         test_faults=_HEADER + "".join(_CLASS.format(index=i, fault=f) for i, f in enumerate(faults))
     )
