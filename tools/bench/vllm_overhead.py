@@ -1,6 +1,7 @@
 """What the Ray orchestration costs: VllmGeneration against a bare vllm.LLM, side by side.
 
     uv run python tools/bench/vllm_overhead.py [--model DIR] [--batch 32] [--prompt 32] [--new 64]
+        [--startup-only]
 
 On one model and one set of inputs, in one run: tokens per second of a bare ``vllm.LLM.generate``
 (in this process, the same engine settings), of ``VllmGeneration`` with one replica, and of
@@ -73,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each engine")
     parser.add_argument("--startups", type=int, default=2, help="timed start-ups of each kind")
     parser.add_argument("--kv-gib", type=float, default=1.0)
+    parser.add_argument(
+        "--startup-only", action="store_true", help="time the start-ups only, not throughput"
+    )
     return parser.parse_args()
 
 
@@ -215,6 +219,9 @@ def main() -> None:
         f"float32, median of {args.repeats} after a warm-up",
         flush=True,
     )
+    if args.startup_only:
+        print_startups(bench_startups(args.model, args))
+        return
     bare = bare_run(args.model, ids.tolist(), args)
     with gen_vllm_run(args.model, batch, 1, args) as one:
         first = interleaved({"bare": bare, "one": one}, args.repeats)
@@ -231,10 +238,14 @@ def main() -> None:
         ("VllmGeneration, 2 replicas", two_s, two_ratio),
     ):
         print(f"| {name} | {tokens / seconds:.0f} | {ratio:.3f} |")
+    print_startups(startups)
+    print(f"\nthroughput, 1 replica / bare: {bare_s / one_s:.3f} (target >= 0.95)")
+
+
+def print_startups(startups: dict[str, float]) -> None:
     print("\n| start-up, fresh process to first token | s | vs bare |\n|---|---|---|")
     for name, seconds in startups.items():
         print(f"| {name} | {seconds:.1f} | {seconds / startups['bare vllm.LLM']:.2f} |")
-    print(f"\nthroughput, 1 replica / bare: {bare_s / one_s:.3f} (target >= 0.95)")
 
 
 if __name__ == "__main__":
