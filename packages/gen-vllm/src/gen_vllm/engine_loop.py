@@ -102,10 +102,17 @@ class EngineLoop:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def wrapped() -> None:
+            # A caller that gave up (a cancelled row) cancels ``done``: skip the command if it
+            # has not started; once it runs, ``done`` can no longer be cancelled, so setting its
+            # outcome cannot fail (which would end this thread and strand every row).
+            if not done.set_running_or_notify_cancel():
+                return
             try:
-                done.set_result(command())
+                result = command()
             except BaseException as exc:
                 done.set_exception(exc)
+            else:
+                done.set_result(result)
 
         self.post(wrapped)
         return done
@@ -189,7 +196,10 @@ class EngineLoop:
                 commands, self._commands = self._commands, []
                 stopping = self._stopped and not commands
             for command in commands:
-                command()
+                try:
+                    command()
+                except Exception:  # a command's own bug must not stop the engine for every row
+                    logger.exception("a command on the vLLM engine thread failed")
             if stopping:
                 return
             if self._should_step():

@@ -1,0 +1,76 @@
+"""``EngineLoop`` on a stub engine: a row given up while its command waits in the queue leaves
+the engine thread running and the engine empty."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from gen_vllm.engine import EngineLimits, StepOutput
+from gen_vllm.engine_loop import EngineLoop
+from gen_vllm.messages import RowRequest
+
+
+class StubEngine:
+    """Holds rows and never finishes them; every other engine call does nothing."""
+
+    limits = EngineLimits(vocab_size=16, max_model_len=64, dtype="float32", model="stub")
+
+    def __init__(self) -> None:
+        self.rows: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: list[int], params: dict) -> None:
+        self.rows.add(request_id)
+
+    def step(self) -> list[StepOutput]:
+        time.sleep(0.001)
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.rows.difference_update(request_ids)
+
+    def shutdown(self) -> None:
+        return None
+
+
+@pytest.fixture
+def loop():
+    engine_loop = EngineLoop(StubEngine)
+    yield engine_loop
+    engine_loop.close()
+
+
+def test_a_row_given_up_while_its_command_waits_leaves_the_thread_running(loop):
+    engine: StubEngine = loop.engine  # type: ignore[assignment]
+    release = threading.Event()
+    loop.post(lambda: release.wait(10))  # the engine thread is busy: the row's command waits
+
+    async def give_up_on_a_row() -> None:
+        row = asyncio.ensure_future(loop.generate(RowRequest("r0", [1, 2], {})))
+        await asyncio.sleep(0.05)
+        row.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await row
+
+    asyncio.run(give_up_on_a_row())
+    release.set()
+    assert loop.submit(lambda: "alive").result(timeout=5) == "alive"
+    assert loop.in_flight == 0 and engine.rows == set()
+
+
+def test_a_row_given_up_while_running_is_aborted_in_the_engine(loop):
+    engine: StubEngine = loop.engine  # type: ignore[assignment]
+
+    async def give_up_on_a_running_row() -> None:
+        row = asyncio.ensure_future(loop.generate(RowRequest("r1", [1, 2], {})))
+        while loop.in_flight == 0:
+            await asyncio.sleep(0.01)
+        row.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await row
+
+    asyncio.run(give_up_on_a_running_row())
+    assert loop.submit(lambda: "alive").result(timeout=5) == "alive"
+    assert loop.in_flight == 0 and engine.rows == set()
