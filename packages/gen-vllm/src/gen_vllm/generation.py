@@ -233,6 +233,11 @@ class VllmGeneration(GenerationInterface):
         """Each replica's ranks' device ids (GPU UUIDs, or host and process on CPU)."""
         return [info["device_ids"] for info in self.replicas.infos]
 
+    def rows_in_flight(self) -> list[int]:
+        """How many rows each replica's engine holds now (running, queued or paused): rows of
+        every call and front end; rows of a closed ``generate_async`` leave at once."""
+        return self.replicas.rows_in_flight()
+
     # ---- generation ------------------------------------------------------------------------
 
     def generate(

@@ -119,6 +119,14 @@ class ReplicaSet:
         """Start one row on ``replica``; returns its Ray ``ObjectRef`` (await it, or cancel it)."""
         return self.actors[replica].generate.remote(request)
 
+    def rows_in_flight(self) -> list[int]:
+        """How many rows each replica's engine holds now."""
+        return self._wait(
+            [a.rows_in_flight.remote() for a in self.actors],
+            self.timeouts.control_s,
+            "counting rows",
+        )
+
     def score(self, shards: Sequence[tuple[list[list[int]], list[int]] | None]) -> list[Any]:
         """Score shard i on replica i (skipped when None); per-replica results, None if skipped."""
         refs = {

@@ -85,6 +85,10 @@ class VllmGenerationWorker:
         """Where this replica runs and what its engine can take."""
         return self._info
 
+    async def rows_in_flight(self) -> int:
+        """Rows this replica's engine holds now (running, queued or paused)."""
+        return self._loop.in_flight
+
     async def generate(self, request: RowRequest) -> RowOutput:
         """Generate one row; returns when it finishes. Cancelling the call aborts the row."""
         return await self._loop.generate(request)
