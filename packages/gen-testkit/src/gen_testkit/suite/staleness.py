@@ -82,9 +82,7 @@ class StalenessChecks:
         self, subject: ConformanceSubject, versions: _Versions
     ) -> None:
         backend = subject.backend
-        target = backend.weight_version + 1
-        assert backend.start_weight_update(target) == target  # announces ``target``
-        versions.newest = max(versions.newest, target)
+        versions.open_update()  # announces the version it will commit
         try:
             call = _InThread(lambda: _view(subject, 0).generate(_batch(), greedy=True))
             assert not call.done.wait(0.5), "the call ran on weights an open update replaces"
@@ -99,9 +97,7 @@ class StalenessChecks:
         self, subject: ConformanceSubject, versions: _Versions
     ) -> None:
         backend = subject.backend
-        target = backend.weight_version + 1
-        backend.start_weight_update(target)
-        versions.newest = max(versions.newest, target)
+        target = versions.open_update()
         try:
             call = _InThread(lambda: _view(subject, 0).generate(_batch(), greedy=True))
             assert not call.done.wait(0.5)
@@ -116,9 +112,7 @@ class StalenessChecks:
         self, subject: ConformanceSubject, versions: _Versions
     ) -> None:
         backend = subject.backend
-        target = backend.weight_version + 1
-        backend.start_weight_update(target)
-        versions.newest = max(versions.newest, target)
+        target = versions.open_update()
         committed_at: list[float] = []
 
         def load_and_commit() -> None:
@@ -157,6 +151,12 @@ class _Versions:
     def announce(self, version: int) -> None:
         self.subject.backend.announce_weight_version(version)
         self.newest = max(self.newest, version)
+
+    def open_update(self) -> int:
+        """Open an update to the next version (which announces it); returns that version."""
+        target = self.subject.backend.start_weight_update(self.subject.backend.weight_version + 1)
+        self.newest = max(self.newest, target)
+        return target
 
     def refit(self, version: int) -> None:
         assert self.subject.state_dict is not None
