@@ -3,9 +3,10 @@
 ``VllmEngine`` is the real one: a v1 ``LLMEngine`` in the worker's own process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by ``EngineLoop`` on one thread. vLLM's
 ``AsyncLLM`` would run the same engine core in a second process, which costs a second start of
-torch and vLLM (measured on 2 cores: first token after 51-60 s against 27-31 s for the in-process
-engine), so the asynchronous core is built on the in-process engine and vLLM's own primitives:
-per-request outputs, ``abort_request``, ``pause_scheduler(mode="keep")``, weight versions.
+torch and vLLM (measured on 2 cores, before the environment was compiled to bytecode: first token
+after 51-60 s against 27-31 s for the in-process engine), so the asynchronous core is built on
+the in-process engine and vLLM's own primitives: per-request outputs, ``abort_request``,
+``pause_scheduler(mode="keep")``, weight versions.
 
 Tests drive ``EngineLoop`` and the workers with a fake that follows this protocol and vLLM's
 documented contracts where the CPU build cannot (sleep mode, tensor-parallel ranks).
