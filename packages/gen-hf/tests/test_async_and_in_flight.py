@@ -15,28 +15,31 @@ from gen_testkit.suite.staleness import StalenessChecks
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_qwen2: TinyModel, make_config: Callable[..., HfConfig]) -> Iterator[HfGeneration]:
+def shared_subject(
+    tiny_qwen2: TinyModel, make_config: Callable[..., HfConfig]
+) -> Iterator[ConformanceSubject]:
+    """One backend for every check in this module (each check leaves it as it found it)."""
     backend = HfGeneration(make_config(tiny_qwen2, stop_token_ids=[]))
-    yield backend
+    yield ConformanceSubject.for_model(backend, tiny_qwen2)
     backend.shutdown()
 
 
-class TestInFlightUpdates(InFlightUpdateChecks):
+class OnTheSharedBackend:
+    """Points a testkit check class's ``subject`` at the module's one backend."""
+
     @pytest.fixture(scope="class")
     @classmethod
-    def subject(cls, backend: HfGeneration, tiny_qwen2: TinyModel) -> ConformanceSubject:
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+    def subject(cls, shared_subject: ConformanceSubject) -> ConformanceSubject:
+        return shared_subject
 
 
-class TestAsyncRows(AsyncRowChecks):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def subject(cls, backend: HfGeneration, tiny_qwen2: TinyModel) -> ConformanceSubject:
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+class TestInFlightUpdates(OnTheSharedBackend, InFlightUpdateChecks):
+    pass
 
 
-class TestStaleness(StalenessChecks):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def subject(cls, backend: HfGeneration, tiny_qwen2: TinyModel) -> ConformanceSubject:
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+class TestAsyncRows(OnTheSharedBackend, AsyncRowChecks):
+    pass
+
+
+class TestStaleness(OnTheSharedBackend, StalenessChecks):
+    pass

@@ -39,7 +39,7 @@ class TestHfQwen2Cuda(GenerationConformanceSuite):
             hf_cfg={"device": "cuda"},
         )
         backend = HfGeneration(cast(HfConfig, config))
-        yield ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+        yield ConformanceSubject.for_model(backend, tiny_qwen2)
         backend.shutdown()
 
 

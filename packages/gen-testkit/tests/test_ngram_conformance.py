@@ -12,12 +12,14 @@ from gen_testkit.suite.staleness import StalenessChecks
 VOCAB = 512
 
 
-def ngram_subject(logprobs_mode: str, backend_cls=NgramGeneration):
+def ngram_subject(logprobs_mode: str):
+    """A class's subject: an n-gram backend in ``logprobs_mode``, shut down after the class."""
     config = conformance_config(
         backend="ngram", model_name="ngram", vocab_size=VOCAB, logprobs_mode=logprobs_mode
     )
-    backend = backend_cls(config)
-    return ConformanceSubject(backend, VOCAB, backend.state_dict())
+    backend = NgramGeneration(config)
+    yield ConformanceSubject(backend, VOCAB, backend.state_dict())
+    backend.shutdown()
 
 
 class TestNgramRaw(GenerationConformanceSuite):
@@ -27,24 +29,18 @@ class TestNgramRaw(GenerationConformanceSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls):
-        subject = ngram_subject("raw")
-        yield subject
-        subject.backend.shutdown()
+        yield from ngram_subject("raw")
 
 
 class TestNgramProcessed(TestNgramRaw):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls):
-        subject = ngram_subject("processed")
-        yield subject
-        subject.backend.shutdown()
+        yield from ngram_subject("processed")
 
 
 class TestNgramStaleness(StalenessChecks):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls):
-        subject = ngram_subject("raw")
-        yield subject
-        subject.backend.shutdown()
+        yield from ngram_subject("raw")

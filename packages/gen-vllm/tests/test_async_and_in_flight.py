@@ -18,7 +18,7 @@ class TestInFlightUpdates(InFlightUpdateChecks):
     @classmethod
     def subject(cls, engines, tiny_qwen2):
         backend = engines.get(tiny_qwen2, replicas=1)
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_qwen2)
 
 
 class TestAsyncRows(AsyncRowChecks):
@@ -26,7 +26,7 @@ class TestAsyncRows(AsyncRowChecks):
     @classmethod
     def subject(cls, engines, tiny_qwen2):
         backend = engines.get(tiny_qwen2, replicas=2)
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_qwen2)
 
 
 class TestStaleness(StalenessChecks):
@@ -34,7 +34,7 @@ class TestStaleness(StalenessChecks):
     @classmethod
     def subject(cls, engines, tiny_qwen2):
         backend = engines.get(tiny_qwen2, replicas=1)
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_qwen2)
 
 
 #: Rows of a closed stream leave their engines within this; running on, they would need far longer.

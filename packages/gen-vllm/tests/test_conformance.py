@@ -13,7 +13,7 @@ class TestOneReplica(GenerationConformanceSuite):
     @classmethod
     def subject(cls, engines, tiny_qwen2):
         backend = engines.get(tiny_qwen2, replicas=1)
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_qwen2)
 
 
 class TestTwoReplicas(TestOneReplica):
@@ -22,7 +22,7 @@ class TestTwoReplicas(TestOneReplica):
     def subject(cls, engines, tiny_qwen2):
         backend = engines.get(tiny_qwen2, replicas=2)
         assert backend.num_replicas == 2
-        return ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_qwen2)
 
 
 class TestProcessedLogprobs(TestOneReplica):
@@ -30,7 +30,7 @@ class TestProcessedLogprobs(TestOneReplica):
     @classmethod
     def subject(cls, engines, tiny_llama):
         backend = engines.get(tiny_llama, replicas=1, logprobs_mode="processed")
-        return ConformanceSubject(backend, tiny_llama.vocab_size, tiny_llama.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_llama)
 
 
 class TestTiedEmbeddings(TestOneReplica):
@@ -40,4 +40,4 @@ class TestTiedEmbeddings(TestOneReplica):
     @classmethod
     def subject(cls, engines, tiny_qwen2_tied):
         backend = engines.get(tiny_qwen2_tied, replicas=1)
-        return ConformanceSubject(backend, tiny_qwen2_tied.vocab_size, tiny_qwen2_tied.state_dict())
+        return ConformanceSubject.for_model(backend, tiny_qwen2_tied)

@@ -11,7 +11,7 @@ Usage, in a backend's tests::
             config = conformance_config(backend="mine", model_name=str(tiny_qwen2.path),
                                         vocab_size=tiny_qwen2.vocab_size)
             backend = MyBackend(config)
-            yield ConformanceSubject(backend, tiny_qwen2.vocab_size, tiny_qwen2.state_dict())
+            yield ConformanceSubject.for_model(backend, tiny_qwen2)
             backend.shutdown()
 
 The subject's backend must be built from ``conformance_config`` (other keys may be added): the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 import torch
@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from gen_testkit.compare import compare_generations
 from gen_testkit.strategies import DrawnBatch, generation_batches, pad_prompts
 from gen_testkit.tolerances import tolerance_for
+
+if TYPE_CHECKING:
+    from gen_testkit.models import TinyModel
 
 __all__ = [
     "FIXED_PROMPTS",
@@ -73,6 +76,11 @@ class ConformanceSubject:
     backend: GenerationInterface
     vocab_size: int
     state_dict: Mapping[str, torch.Tensor] | None = None
+
+    @classmethod
+    def for_model(cls, backend: GenerationInterface, model: TinyModel) -> ConformanceSubject:
+        """The subject of a backend serving one of the testkit's built models."""
+        return cls(backend, model.vocab_size, model.state_dict())
 
     def __repr__(self) -> str:
         return f"ConformanceSubject({type(self.backend).__name__}, vocab_size={self.vocab_size})"
