@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 from collections.abc import AsyncIterator, Mapping
-from contextlib import AbstractContextManager
 from typing import Any, ClassVar, cast
 
 import torch
@@ -56,11 +54,6 @@ from gen_vllm.router import RowRouter
 from gen_vllm.update_steps import ReplicaUpdateSteps, failures_break
 
 __all__ = ["VllmGeneration"]
-
-logger = logging.getLogger(__name__)
-
-# A fixed sequence every replica scores after a weight update: identical results prove that all
-# replicas run the same weights, packed kernels included.
 
 
 class VllmGeneration(GenerationInterface):
@@ -247,7 +240,7 @@ class VllmGeneration(GenerationInterface):
         self._weights.admit(self.config.get("max_weight_staleness"))
         with self._lifecycle.generating():
             rows: list[RowOutput | None] = [None] * len(requests)
-            with self._failures_break_the_backend():
+            with failures_break(self._lifecycle):
                 for index, row in self._loop.run(self._collect(requests, costs)):
                     rows[index] = row
         results = [_row_result(row) for row in rows if row is not None]
@@ -264,7 +257,7 @@ class VllmGeneration(GenerationInterface):
         prompts, requests, costs = self._requests(data, greedy)
         await self._weights.admit_async(self.config.get("max_weight_staleness"))
         pad = self.config["pad_token_id"]
-        with self._lifecycle.generating(), self._failures_break_the_backend():
+        with self._lifecycle.generating(), failures_break(self._lifecycle):
             rows = self._loop.stream(
                 lambda: self._router.run(requests, costs, self.replicas.timeouts.generate_s)
             )
@@ -285,7 +278,7 @@ class VllmGeneration(GenerationInterface):
             shards: list[BatchedDataDict[Any]] = BatchedDataDict(
                 rows=batch.sequences, starts=batch.prompt_lengths
             ).shard_by_batch_size(self.num_replicas, allow_uneven_shards=True)
-            with self._failures_break_the_backend():
+            with failures_break(self._lifecycle):
                 results = self.replicas.score(
                     [(s["rows"], s["starts"]) if s.size else None for s in shards]
                 )
@@ -340,13 +333,13 @@ class VllmGeneration(GenerationInterface):
 
         ``tags`` (NeMo RL's): wake only ``"weights"`` and/or ``"kv_cache"``. Idempotent.
         """
-        with self._failures_break_the_backend():
+        with failures_break(self._lifecycle):
             self._lifecycle.prepare(tags)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> None:
         """Reset the prefix cache and, when sleeping on finish (colocated on CUDA), sleep at
         level 1: weights offloaded to host memory, KV cache freed."""
-        with self._failures_break_the_backend():
+        with failures_break(self._lifecycle):
             self._lifecycle.finish()
 
     def shutdown(self) -> None:
@@ -371,9 +364,6 @@ class VllmGeneration(GenerationInterface):
         if self._owned_cluster is not None:
             self._owned_cluster.shutdown()
             self._owned_cluster = None
-
-    def _failures_break_the_backend(self) -> AbstractContextManager[None]:
-        return failures_break(self._lifecycle)
 
     # ---- weights: WeightUpdates holds the rules, update_steps.py the workers' side -----------
 
@@ -425,7 +415,7 @@ class VllmGeneration(GenerationInterface):
         return sum(len(info["device_ids"]) for info in self.replicas.infos)
 
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
-        with self._failures_break_the_backend():
+        with failures_break(self._lifecycle):
             tp = self.config["vllm_cfg"]["tensor_parallel_size"]
             self.replicas.init_collective(cast(CollectiveEndpoint, dict(endpoint)), tp)
 

@@ -90,10 +90,7 @@ class NgramGeneration(GenerationInterface):
         self._lifecycle: Lifecycle | LifecycleView = Lifecycle("ngram backend")
         self._lock = threading.Lock()
         self._weights = WeightUpdates(
-            self._lifecycle,
-            self.model.specs(),
-            (),
-            WeightUpdateSteps(load=self._load),
+            self._lifecycle, self.model.specs(), (), WeightUpdateSteps(load=self._load)
         )
 
     def with_sampling(self, **overrides: Any) -> NgramGeneration:
