@@ -1,7 +1,13 @@
 import pytest
 import torch
-from gen_interface import RowResult, build_generation_output, normalize_generation_input
-from gen_interface.decoding import StopRules, row_stop_strings
+from gen_interface import (
+    GenerationError,
+    RowResult,
+    build_generation_output,
+    normalize_generation_input,
+)
+from gen_interface.decoding import StopRules
+from gen_interface.row_sampling import resolve_sampling
 from gen_testkit.strategies import pad_prompts
 
 
@@ -37,14 +43,26 @@ def test_a_row_result_needs_one_logprob_per_token():
         RowResult([1, 2], [-1.0], False)
 
 
+def test_a_finish_reason_the_contract_does_not_know_is_an_error_not_a_length_cut_off():
+    """Fails on the main before the shared base: vLLM's "error" finish reason read as "length"."""
+    assert RowResult.ended("length", [1], [-0.5]).truncated
+    assert RowResult.ended("abort", [1], [-0.5]).cut_short
+    stop = RowResult.ended("stop", [1], [-0.5])
+    assert not stop.truncated and not stop.cut_short
+    for reason in ("error", None, "repetition"):
+        with pytest.raises(GenerationError, match="failed inside the engine"):
+            RowResult.ended(reason, [1, 2], [-0.5, -0.25])
+
+
 def test_stop_rules():
     batch = pad_prompts([[1], [2]], "right")
     batch["stop_strings"] = [["ab"], None]
     prompts = normalize_generation_input(batch, pad_token_id=0)
-    config = {"stop_token_ids": [7], "max_new_tokens": 3, "stop_strings": ["zz"]}
-    assert row_stop_strings(config, prompts) == [["zz", "ab"], ["zz"]]
+    config = {"stop_token_ids": [7], "max_new_tokens": 3, "stop_strings": ["zz"], "seed": 0}
+    sampling = resolve_sampling(config, prompts, greedy=True)
+    assert [row.stop_strings for row in sampling.rows] == [("zz", "ab"), ("zz",)]
     rules = StopRules.for_call(
-        config, prompts, context_limit=4, decode=lambda ids: "".join("ab"[i % 2] for i in ids)
+        sampling, context_limit=4, decode=lambda ids: "".join("ab"[i % 2] for i in ids)
     )
     assert rules.reason(1, 1, [7]) == "stop"
     assert rules.reason(0, 1, [4, 5]) == "stop"  # decodes to "ab"

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 from gen_interface.inputs import normalize_generation_input
+from gen_interface.row_sampling import RowSampling
 from gen_interface.sampling import (
     derive_row_seeds,
     processed_log_probs,
@@ -95,29 +96,27 @@ def test_seeds_differing_only_in_high_bits_give_different_generators(gap_bits):
         assert not torch.equal(first, second)
 
 
+def _rows(count, *, temperature, top_k=None, top_p=1.0, seed=0):
+    return [RowSampling(8, temperature, top_k, top_p, (), (), seed + i) for i in range(count)]
+
+
 def test_select_next_tokens_greedy_and_sampled():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
     tokens, lps = select_next_tokens(
-        logits, greedy=True, temperature=1.0, top_k=None, top_p=1.0, processed=True, generators=[]
+        logits, _rows(2, temperature=0.0), processed=True, generators=[]
     )
     assert tokens.tolist() == [1, 0]
     assert torch.allclose(lps, logits.log_softmax(-1)[[0, 1], [1, 0]])
     tokens, lps = select_next_tokens(
         logits,
-        greedy=False,
-        temperature=0.5,
-        top_k=1,
-        top_p=1.0,
+        _rows(2, temperature=0.5, top_k=1),
         processed=True,
         generators=row_generators([1, 2]),
     )
     assert tokens.tolist() == [1, 0] and lps.tolist() == [0.0, 0.0]
     tokens, raw = select_next_tokens(
         logits,
-        greedy=False,
-        temperature=0.5,
-        top_k=1,
-        top_p=1.0,
+        _rows(2, temperature=0.5, top_k=1),
         processed=False,
         generators=row_generators([1, 2]),
     )
@@ -127,24 +126,44 @@ def test_select_next_tokens_greedy_and_sampled():
 def test_each_row_draws_from_its_own_generator():
     logits = torch.zeros(1, 1000)
     alone, _ = select_next_tokens(
-        logits,
-        greedy=False,
-        temperature=1.0,
-        top_k=None,
-        top_p=1.0,
-        processed=False,
-        generators=row_generators([5]),
+        logits, _rows(1, temperature=1.0), processed=False, generators=row_generators([5])
     )
     paired, _ = select_next_tokens(
         logits.expand(2, -1),
-        greedy=False,
-        temperature=1.0,
-        top_k=None,
-        top_p=1.0,
+        _rows(2, temperature=1.0),
         processed=False,
         generators=row_generators([9, 5]),
     )
     assert int(alone[0]) == int(paired[1])
+
+
+@given(
+    temperatures=st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.7]), min_size=1, max_size=5),
+    top_ks=st.lists(st.sampled_from([None, 1, 3, 50]), min_size=5, max_size=5),
+    top_ps=st.lists(st.sampled_from([1.0, 0.9, 0.3]), min_size=5, max_size=5),
+    processed=st.booleans(),
+)
+def test_a_row_with_its_own_settings_gets_what_it_gets_alone(
+    temperatures, top_ks, top_ps, processed
+):
+    """Mixed greedy and sampled rows, each with its own settings: every row's token and
+    logprob equal those of a call with that row alone."""
+    logits = torch.randn(len(temperatures), 64, generator=torch.Generator().manual_seed(3)) * 3
+    rows = [
+        RowSampling(8, t, k, p, (), (), 100 + i)
+        for i, (t, k, p) in enumerate(zip(temperatures, top_ks, top_ps))
+    ]
+    tokens, chosen = select_next_tokens(
+        logits, rows, processed=processed, generators=row_generators([r.seed for r in rows])
+    )
+    for i, row in enumerate(rows):
+        token, lp = select_next_tokens(
+            logits[i : i + 1], [row], processed=processed, generators=row_generators([row.seed])
+        )
+        assert int(token[0]) == int(tokens[i])
+        assert float(lp[0]) == float(chosen[i])
+        if row.greedy:
+            assert int(tokens[i]) == int(logits[i].argmax())
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 0.0])

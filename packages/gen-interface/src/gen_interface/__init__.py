@@ -5,6 +5,7 @@ Importing this package imports torch and nothing heavier: no ray, vllm or transf
 
 from importlib.metadata import PackageNotFoundError, version
 
+from gen_interface.backend import GenerationBackend, GenerationCall
 from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.config import (
     GENERATION_CONFIG_DEFAULTS,
@@ -16,14 +17,17 @@ from gen_interface.config import (
     with_per_call_overrides,
 )
 from gen_interface.errors import (
+    BackendBrokenError,
     BackendUnavailableError,
     GenerationConfigError,
     GenerationError,
     GenerationInputError,
+    MixedWeightsError,
     StaleWeightsError,
     WeightsAbsentError,
     WeightUpdateError,
 )
+from gen_interface.in_process import InProcessBackend
 from gen_interface.inputs import PromptBatch, normalize_generation_input
 from gen_interface.interface import (
     BackendCapabilities,
@@ -32,13 +36,14 @@ from gen_interface.interface import (
     WeightTransport,
 )
 from gen_interface.lifecycle import Lifecycle
-from gen_interface.outputs import RowResult, build_generation_output
+from gen_interface.outputs import FinishReason, RowResult, build_generation_output
 from gen_interface.registry import (
     ENTRY_POINT_GROUP,
     available_backends,
     create_generation_backend,
     load_backend,
 )
+from gen_interface.row_sampling import BatchSampling, RowSampling, resolve_sampling
 from gen_interface.specs import (
     ColocatedConfig,
     DType,
@@ -58,11 +63,16 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "GENERATION_CONFIG_DEFAULTS",
     "PER_CALL_SETTINGS",
+    "BackendBrokenError",
     "BackendCapabilities",
     "BackendUnavailableError",
+    "BatchSampling",
     "BatchedDataDict",
     "ColocatedConfig",
     "DType",
+    "FinishReason",
+    "GenerationBackend",
+    "GenerationCall",
     "GenerationConfig",
     "GenerationConfigError",
     "GenerationDatumSpec",
@@ -71,10 +81,13 @@ __all__ = [
     "GenerationInterface",
     "GenerationOutputSpec",
     "InFlight",
+    "InProcessBackend",
     "Lifecycle",
     "LogprobsMode",
+    "MixedWeightsError",
     "PromptBatch",
     "RowResult",
+    "RowSampling",
     "ScoreSpec",
     "StaleWeightsError",
     "TokenizerLike",
@@ -88,6 +101,7 @@ __all__ = [
     "create_generation_backend",
     "load_backend",
     "normalize_generation_input",
+    "resolve_sampling",
     "sampling_settings_of",
     "validate_generation_config",
     "with_per_call_overrides",

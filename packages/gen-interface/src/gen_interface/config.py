@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gen_interface.errors import BackendUnavailableError, GenerationConfigError
-from gen_interface.nemo_rl_keys import NEMO_RL_KEYS
+from gen_interface.nemo_rl_keys import with_nemo_rl_keys
 from gen_interface.sampling import MAX_SEED
 from gen_interface.schema import ForeignKeys, check_config
 from gen_interface.specs import GenerationConfig
@@ -79,17 +79,17 @@ def configure_generation_config(
     Fills defaults (``GENERATION_CONFIG_DEFAULTS``), ``pad_token_id`` from the tokenizer (its pad
     token, else its eos token) and ``stop_token_ids`` = ``[eos_token_id]`` when None or absent.
     Keys the caller set are kept. Every key at every level must be declared by the backend's
-    ``config_schema`` (or be one of NeMo RL's keys with an inert value, ``NEMO_RL_KEYS``).
+    ``config_schema`` (or be one of NeMo RL's keys with an inert value: ``nemo_rl_keys``).
 
     Args:
         config: a ``GenerationConfig`` or a backend's extension of it.
         tokenizer: anything with ``pad_token_id`` and ``eos_token_id``; None when the config
             already names ``pad_token_id`` and ``stop_token_ids``.
-        is_eval: NeMo RL's switch, setting the backend's ``load_format``. None (the default):
-            left as configured, which loads the checkpoint. True: load the checkpoint
-            (``"auto"``). False, for a training run: start without reading the checkpoint
-            (``"dummy"``), since the first weight update brings the weights; ``generate``
-            refuses until that update commits. NeMo RL's default is False.
+        is_eval: NeMo RL's switch, applied by the backend's ``set_weight_loading``. None (the
+            default): left as configured, which loads the checkpoint. True: load the
+            checkpoint. False, for a training run: start without reading the checkpoint, since
+            the first weight update brings the weights; ``generate`` refuses until that update
+            commits. NeMo RL's default is False.
 
     Raises:
         GenerationConfigError: a key is unknown or misplaced, or a field is missing, of the wrong
@@ -105,7 +105,7 @@ def configure_generation_config(
     if out.get("stop_token_ids") is None:
         out["stop_token_ids"] = [eos] if eos is not None else []
     if is_eval is not None:
-        _set_load_format(out, is_eval)
+        _set_weight_loading(out, is_eval)
     validate_generation_config(out)
     return cast(ConfigT, out)
 
@@ -133,7 +133,7 @@ def validate_generation_config(
         backend = _installed_backend(config.get("backend"))
         schema = backend.config_schema if backend is not None else GenerationConfig
         foreign = backend.config_foreign_keys if backend is not None else foreign
-    check_config(config, schema, foreign=_with_nemo_rl_keys(foreign or {}))
+    check_config(config, schema, foreign=with_nemo_rl_keys(foreign or {}))
     for key in ("backend", "model_name"):
         value = config.get(key)
         if not isinstance(value, str) or not value:
@@ -291,31 +291,13 @@ def _installed_backend(name: object) -> type[GenerationInterface] | None:
         return None
 
 
-def _with_nemo_rl_keys(foreign: ForeignKeys) -> dict[str, dict[str, Any]]:
-    levels = {level: dict(keys) for level, keys in foreign.items()}
-    for level, keys in NEMO_RL_KEYS.items():
-        levels[level] = {**keys, **levels.get(level, {})}
-    return levels
-
-
-def _set_load_format(config: dict[str, Any], is_eval: bool) -> None:
+def _set_weight_loading(config: dict[str, Any], is_eval: bool) -> None:
     backend = _installed_backend(config.get("backend"))
-    key = backend.settings_key if backend is not None else None
-    if key is None:
-        if not is_eval:
-            name = config.get("backend")
-            why = (
-                "it has no load_format"
-                if backend is not None
-                else "no backend of that name is installed in this environment"
-            )
-            raise GenerationConfigError(
-                f"backend {name!r} cannot be set to start without its weights (is_eval=False): "
-                f"{why}; leave is_eval out"
-            )
-        return
-    settings = config.get(key)
-    config[key] = {
-        **(settings if isinstance(settings, Mapping) else {}),
-        "load_format": "auto" if is_eval else "dummy",
-    }
+    if backend is not None:
+        backend.set_weight_loading(config, read_checkpoint=is_eval)
+    elif not is_eval:
+        raise GenerationConfigError(
+            f"backend {config.get('backend')!r} cannot be set to start without its weights "
+            "(is_eval=False): no backend of that name is installed in this environment; leave "
+            "is_eval out"
+        )

@@ -8,10 +8,12 @@ what to do about it.
 from __future__ import annotations
 
 __all__ = [
+    "BackendBrokenError",
     "BackendUnavailableError",
     "GenerationConfigError",
     "GenerationError",
     "GenerationInputError",
+    "MixedWeightsError",
     "StaleWeightsError",
     "WeightUpdateError",
     "WeightsAbsentError",
@@ -43,6 +45,17 @@ class WeightUpdateError(GenerationError):
 
 class BackendUnavailableError(GenerationError):
     """A backend is not installed, not registered, or cannot run on this machine."""
+
+
+class BackendBrokenError(GenerationError):
+    """The backend can no longer be trusted: a worker or engine died or stopped answering, or
+    its replicas hold different weights. Every later call but ``shutdown`` raises
+    ``GenerationError`` saying so: shut it down and build a new one."""
+
+
+class MixedWeightsError(WeightUpdateError, BackendBrokenError):
+    """After an update, workers or replicas hold different weights, or some took it and
+    others did not: the backend is broken (its rows could come from either)."""
 
 
 class WeightsAbsentError(GenerationError):

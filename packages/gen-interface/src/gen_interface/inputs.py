@@ -167,10 +167,14 @@ def _spans_from_mask(mask: Any, batch: int, width: int) -> tuple[torch.Tensor, t
     if batch == 0:
         empty_spans = torch.zeros(0, dtype=torch.int64)
         return empty_spans, empty_spans
+    not_binary = ((mask != 0) & (mask != 1)).any(dim=1)  # floats such as 0.5 and NaN included
+    if bool(not_binary.any()):
+        row = int(not_binary.nonzero()[0])
+        raise GenerationInputError(
+            f"attention_mask row {row} holds values other than 0 and 1: "
+            f"{mask[row][(mask[row] != 0) & (mask[row] != 1)][:3].tolist()}"
+        )
     as_int = mask.to(torch.int64)
-    if not torch.equal(as_int.to(mask.dtype), mask) or bool(((as_int != 0) & (as_int != 1)).any()):
-        row = int(((as_int != 0) & (as_int != 1)).any(dim=1).nonzero()[0])
-        raise GenerationInputError(f"attention_mask row {row} holds values other than 0 and 1")
     lengths = as_int.sum(dim=1)
     empty = lengths == 0
     if bool(empty.any()):

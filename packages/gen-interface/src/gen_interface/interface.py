@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -31,8 +31,9 @@ class BackendCapabilities:
     """What a backend can do beyond the three abstract methods.
 
     Attributes:
-        sleep: ``finish_generation`` frees device memory by sleeping (vLLM sleep mode) rather than
-            only dropping caches. False on CPU, where vLLM has no sleep mode.
+        sleep: ``finish_generation`` frees device memory by putting the weights to sleep
+            (offloaded or discarded until ``prepare_for_generation``) rather than only dropping
+            caches.
         async_generation: ``generate_async`` yields rows as each finishes (True), or only after
             the whole batch is done (False, the default implementation).
         weight_transports: how the backend can receive weights: ``"shm"`` (CPU shared memory)
@@ -76,12 +77,10 @@ class GenerationInterface(ABC):
     #: The TypedDict declaring every key of this backend's config (``GenerationConfig`` extended
     #: with the backend's own settings); ``configure_generation_config`` refuses any other key.
     config_schema: ClassVar[type] = GenerationConfig
-    #: Undeclared keys that configs written for NeMo RL carry at each level below the top (e.g.
-    #: ``{"vllm_cfg": {...}}``), accepted while inert, refused with a reason otherwise.
+    #: Keys the schema does not declare that configs written for another framework carry, per
+    #: level below the top (dotted path -> key -> rule): accepted while inert, refused with a
+    #: reason otherwise.
     config_foreign_keys: ClassVar[ForeignKeys] = {}
-    #: The level holding the backend's own settings (``"vllm_cfg"``), where
-    #: ``configure_generation_config(..., is_eval=...)`` sets ``load_format``; None: no such level.
-    settings_key: ClassVar[str | None] = None
 
     @classmethod
     def create(cls, config: GenerationConfig, **kwargs: Any) -> GenerationInterface:
@@ -91,6 +90,25 @@ class GenerationInterface(ABC):
         cluster, say) overrides it to build the rest from the config and ``kwargs``.
         """
         return cls(config, **kwargs)  # type: ignore[call-arg]
+
+    @classmethod
+    def set_weight_loading(cls, config: dict[str, Any], *, read_checkpoint: bool) -> None:
+        """Make ``config`` read the checkpoint at start (True), or start without it and wait
+        for the first weight update (False); ``configure_generation_config``'s ``is_eval``.
+
+        The default accepts True (nothing to change) and refuses False.
+
+        Raises:
+            GenerationConfigError: the backend cannot start without its weights.
+        """
+        if not read_checkpoint:
+            from gen_interface.errors import GenerationConfigError
+
+            raise GenerationConfigError(
+                f"backend {config.get('backend')!r} ({cls.__name__}) cannot start without its "
+                "weights (is_eval=False): it has no way to skip reading the checkpoint; leave "
+                "is_eval out"
+            )
 
     @abstractmethod
     def generate(
@@ -137,6 +155,21 @@ class GenerationInterface(ABC):
     def capabilities(self) -> BackendCapabilities:
         """What this backend can do. Default: nothing beyond the abstract methods."""
         return BackendCapabilities()
+
+    def with_sampling(self, **overrides: Any) -> GenerationInterface:
+        """Another front end on the same model and weights, with other per-call settings.
+
+        For evaluation with other sampling settings than training, without a second model.
+        Only ``PER_CALL_SETTINGS`` may change (``max_new_tokens``, ``temperature``, ``top_p``,
+        ``top_k``, ``stop_token_ids``, ``stop_strings``, ``seed``, ``max_weight_staleness``).
+        The front end shares the weights (an update through either reaches both) and the
+        lifecycle (finishing either finishes both); shutting it down closes only itself.
+
+        Raises:
+            GenerationConfigError: an override names another setting, or is out of range.
+            NotImplementedError: the backend has no front ends (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support with_sampling")
 
     def shutdown(self) -> None:
         """Free every resource (processes, devices, shared memory). Idempotent.
@@ -214,6 +247,19 @@ class GenerationInterface(ABC):
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not support update_weights_from_ipc_handles"
+        )
+
+    def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load weights from an in-process state dict (``capabilities.weight_transports`` has
+        ``"state_dict"``), checked like ``update_weights_from_ipc_handles``: one load of the
+        open transaction, or a complete transaction of its own.
+
+        Raises:
+            WeightUpdateError: as ``update_weights_from_ipc_handles``.
+            NotImplementedError: the backend runs in another process (the default).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support update_weights_from_state_dict"
         )
 
     def collective_ranks(self) -> int:
@@ -312,7 +358,7 @@ class GenerationInterface(ABC):
 
     async def generate_async(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
-    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+    ) -> AsyncGenerator[tuple[int, BatchedDataDict[GenerationOutputSpec]], None]:
         """Yield ``(row index, one-row output)`` as rows finish.
 
         The default runs ``generate`` in a thread and then yields every row in input order;

@@ -26,19 +26,32 @@ discarded by a deep sleep. ``generate`` then refuses until a weight update commi
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
 from gen_interface.errors import (
+    BackendBrokenError,
     GenerationError,
     GenerationInputError,
     WeightsAbsentError,
     WeightUpdateError,
 )
 
-__all__ = ["DUMMY_WEIGHTS", "RESOURCES", "Lifecycle", "LifecycleView", "Resource", "State"]
+__all__ = [
+    "DUMMY_WEIGHTS",
+    "RESOURCES",
+    "Lifecycle",
+    "LifecycleView",
+    "Resource",
+    "State",
+    "close_all",
+]
+
+logger = logging.getLogger(__name__)
 
 State = Literal["ready", "finished", "shut down", "broken"]
 Resource = Literal["weights", "kv_cache"]
@@ -163,7 +176,8 @@ class Lifecycle:
             self._state = "finished"
 
     def shutdown(self) -> None:
-        """Free everything, once. Idempotent; works in every state."""
+        """Free everything, once. Idempotent; works in every state. The state is shut down
+        even when ``close`` raises (it should free what it can first: ``close_all``)."""
         with self._lock:
             if self._state == "shut down":
                 return
@@ -176,6 +190,15 @@ class Lifecycle:
             if self._state != "shut down":
                 self._state = "broken"
                 self._broken_reason = reason
+
+    @contextmanager
+    def breaks_on_fatal(self) -> Iterator[None]:
+        """A ``BackendBrokenError`` raised inside marks the backend broken, then propagates."""
+        try:
+            yield
+        except BackendBrokenError as exc:
+            self.mark_broken(str(exc))
+            raise
 
     def weights_arrived(self) -> None:
         """A weight update committed: real weights are in place."""
@@ -231,6 +254,10 @@ class Lifecycle:
     def end_update(self) -> None:
         with self._lock:
             self._updating -= 1
+
+    def check_open(self, error: type[GenerationError]) -> None:
+        """Raise ``error`` when the backend is shut down or broken."""
+        self._refuse_if_final(error)
 
     def check_can_generate(self) -> None:
         """Raise ``GenerationError`` saying what to do unless generation may run now."""
@@ -288,6 +315,9 @@ class LifecycleView:
     def mark_broken(self, reason: str) -> None:
         self.owner.mark_broken(reason)
 
+    def breaks_on_fatal(self) -> contextlib.AbstractContextManager[None]:
+        return self.owner.breaks_on_fatal()
+
     def weights_arrived(self) -> None:
         self.owner.weights_arrived()
 
@@ -324,6 +354,10 @@ class LifecycleView:
     def end_update(self) -> None:
         self.owner.end_update()
 
+    def check_open(self, error: type[GenerationError]) -> None:
+        self._refuse_if_closed(error)
+        self.owner.check_open(error)
+
     def check_can_generate(self) -> None:
         self._refuse_if_closed(GenerationError)
         self.owner.check_can_generate()
@@ -346,3 +380,26 @@ def _resources(tags: Iterable[str] | None) -> frozenset[Resource]:
             f"prepare_for_generation tags must be among {list(RESOURCES)}, got {unknown}"
         )
     return frozenset(t for t in RESOURCES if t in given)
+
+
+def close_all(name: str, steps: Sequence[tuple[str, Callable[[], object]]]) -> None:
+    """Run every step of a shutdown, in order, even when earlier ones fail.
+
+    Args:
+        name: the backend's name, for messages.
+        steps: ``(what it frees, how)`` pairs.
+
+    Raises:
+        GenerationError: after every step ran, naming the steps that failed and why.
+    """
+    failures = []
+    for what, step in steps:
+        try:
+            step()
+        except Exception as exc:  # the next step must run whatever went wrong here
+            logger.warning("shutting down %s: freeing %s failed: %r", name, what, exc)
+            failures.append(f"{what}: {type(exc).__name__}: {exc}")
+    if failures:
+        raise GenerationError(
+            f"{name} shut down, but freeing some of what it held failed: " + "; ".join(failures)
+        )

@@ -1,4 +1,5 @@
-"""NeMo RL's top-level generation keys that ``GenerationConfig`` does not declare.
+"""NeMo RL's generation keys that ``GenerationConfig`` does not declare: the one place the core
+knows NeMo RL's config.
 
 A config written for NeMo RL carries them. Each is either accepted because it changes nothing
 here (the training loop reads it, or its value is the "off" one), or refused with why and what
@@ -12,7 +13,13 @@ from collections.abc import Mapping
 
 from gen_interface.schema import ForeignKey, ForeignKeys
 
-__all__ = ["NEMO_RL_GENERATION_KEYS", "NEMO_RL_KEYS", "TRAINING_LOOP_KEYS", "falsy"]
+__all__ = [
+    "NEMO_RL_GENERATION_KEYS",
+    "NEMO_RL_KEYS",
+    "TRAINING_LOOP_KEYS",
+    "falsy",
+    "with_nemo_rl_keys",
+]
 
 #: Keys a NeMo RL config carries for its training loop, not for the generator: accepted, unread.
 TRAINING_LOOP_KEYS = ("val_temperature", "val_top_p", "val_top_k")
@@ -83,3 +90,11 @@ NEMO_RL_KEYS: ForeignKeys = {
         )
     },
 }
+
+
+def with_nemo_rl_keys(foreign: ForeignKeys) -> dict[str, dict[str, ForeignKey]]:
+    """A backend's own foreign keys plus NeMo RL's, level by level (the backend's win)."""
+    levels = {level: dict(keys) for level, keys in foreign.items()}
+    for level, keys in NEMO_RL_KEYS.items():
+        levels[level] = {**keys, **levels.get(level, {})}
+    return levels

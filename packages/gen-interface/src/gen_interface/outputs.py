@@ -9,14 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.errors import GenerationError
 from gen_interface.inputs import PromptBatch
 from gen_interface.specs import GenerationOutputSpec
 
-__all__ = ["RowResult", "build_generation_output", "build_row_output"]
+__all__ = ["FinishReason", "RowResult", "build_generation_output", "build_row_output"]
+
+#: Why a row ended: a stop token or string, the length limit (``max_new_tokens`` or the context
+#: limit), or cut short by a weight update (its tokens so far kept).
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,37 @@ class RowResult:
     weight_version: int = 0
     weight_versions: Sequence[int] | None = None
     cut_short: bool = False
+
+    @classmethod
+    def ended(
+        cls,
+        finish_reason: str | None,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        *,
+        weight_version: int = 0,
+        weight_versions: Sequence[int] | None = None,
+    ) -> RowResult:
+        """The result of a row an engine reported as ended for ``finish_reason``.
+
+        Raises:
+            GenerationError: the reason is not a ``FinishReason`` (an engine error, say): a row
+                that did not end for a known reason is never passed off as a length cut-off.
+        """
+        if finish_reason not in get_args(FinishReason):
+            raise GenerationError(
+                f"the engine ended a row for {finish_reason!r}, not one of "
+                f"{list(get_args(FinishReason))}, after {len(token_ids)} tokens: the row failed "
+                "inside the engine; its output is not returned"
+            )
+        return cls(
+            token_ids,
+            logprobs,
+            truncated=finish_reason == "length",
+            weight_version=weight_version,
+            weight_versions=weight_versions,
+            cut_short=finish_reason == "abort",
+        )
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

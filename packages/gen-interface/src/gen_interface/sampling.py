@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from gen_interface.inputs import PromptBatch
+
+if TYPE_CHECKING:
+    from gen_interface.row_sampling import RowSampling
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -109,11 +113,8 @@ def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
 
 def select_next_tokens(
     logits: torch.Tensor,
+    rows: Sequence[RowSampling],
     *,
-    greedy: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
     processed: bool,
     generators: Sequence[torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,29 +122,38 @@ def select_next_tokens(
 
     Args:
         logits: ``[A, V]`` next-token logits of the A rows still running.
-        greedy: argmax (first index on exact ties); reported logprobs are then raw.
-        temperature, top_k, top_p: the sampling settings (ignored when greedy).
-        processed: report processed rather than raw log-probabilities when sampling.
+        rows: each row's sampling (``RowSampling``). Greedy rows take the argmax (first index
+            on exact ties) and report raw logprobs; the others sample from
+            ``processed_log_probs`` with their own temperature, top-k and top-p.
+        processed: sampled rows report processed rather than raw log-probabilities.
         generators: one per row; row i draws only from ``generators[i]``, so its sample does
             not depend on the other rows.
 
     Returns:
-        ``(tokens int64 [A], logprobs float32 [A])``.
+        ``(tokens int64 [A], logprobs float32 [A])``, on the CPU when some row sampled.
     """
     raw = logits.float().log_softmax(dim=-1)
-    if greedy:
-        tokens = logits.argmax(dim=-1)
-        return tokens, raw.gather(1, tokens[:, None]).squeeze(1)
-    filtered = processed_log_probs(logits, temperature, top_k, top_p)
-    probs = filtered.exp()
-    tokens = (
-        torch.stack(
-            [torch.multinomial(probs[i], 1, generator=gen)[0] for i, gen in enumerate(generators)]
-        )
-        if len(generators)
-        else torch.zeros(0, dtype=torch.int64)
+    tokens = logits.argmax(dim=-1)
+    chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+    sampled = [i for i, row in enumerate(rows) if not row.greedy]
+    if not sampled:
+        return tokens, chosen
+    index = torch.tensor(sampled, dtype=torch.int64)
+    subset = [rows[i] for i in sampled]
+    # Sampling runs on the CPU, where each row's generator lives.
+    filtered = processed_log_probs(
+        logits.index_select(0, index.to(logits.device)).cpu(),
+        torch.tensor([row.temperature for row in subset]),
+        [row.top_k for row in subset],
+        torch.tensor([row.top_p for row in subset]),
     )
-    chosen = (filtered if processed else raw).gather(1, tokens[:, None]).squeeze(1)
+    probs = filtered.exp()
+    draws = torch.stack(
+        [torch.multinomial(probs[j], 1, generator=generators[i])[0] for j, i in enumerate(sampled)]
+    )
+    reported = filtered if processed else raw.cpu().index_select(0, index)
+    tokens = tokens.cpu().index_copy(0, index, draws)
+    chosen = chosen.cpu().index_copy(0, index, reported.gather(1, draws[:, None]).squeeze(1))
     return tokens, chosen
 
 

@@ -32,6 +32,7 @@ from gen_interface.weights.consumer import (
     merge_weight_handles,
     read_shared_weights,
     release_shared_weights,
+    state_dict_specs,
 )
 from gen_interface.weights.handles import (
     TensorSlot,
@@ -75,5 +76,6 @@ __all__ = [
     "refit",
     "release_shared_weights",
     "share_weights",
+    "state_dict_specs",
     "weights_checksum",
 ]

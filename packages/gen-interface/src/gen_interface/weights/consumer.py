@@ -32,6 +32,7 @@ __all__ = [
     "merge_weight_handles",
     "read_shared_weights",
     "release_shared_weights",
+    "state_dict_specs",
 ]
 
 TensorSpecs = Mapping[str, tuple[torch.Size, torch.dtype]]
@@ -64,6 +65,23 @@ def check_weights_match(incoming: TensorSpecs, model: TensorSpecs) -> None:
                 "(only floating-point weights are cast on the way)"
             )
     _refuse(problems)
+
+
+def state_dict_specs(state_dict: Mapping[str, torch.Tensor]) -> TensorSpecs:
+    """``{name: (shape, dtype)}`` of an in-process state dict.
+
+    Raises:
+        WeightUpdateError: a value is not a tensor.
+    """
+    specs = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(
+                f"weight update refused, nothing was written: {name!r} is a "
+                f"{type(tensor).__name__}, not a torch.Tensor"
+            )
+        specs[name] = (tensor.shape, tensor.dtype)
+    return specs
 
 
 def check_update_is_complete(

@@ -9,9 +9,8 @@ nothing is missing. A backend keeps one ``WeightTransaction`` per update in prog
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.consumer import (
@@ -19,7 +18,6 @@ from gen_interface.weights.consumer import (
     check_update_is_complete,
     check_weights_match,
 )
-from gen_interface.weights.handles import describe_weight_handles
 
 __all__ = ["WeightTransaction", "next_version"]
 
@@ -55,22 +53,14 @@ class WeightTransaction:
     received: set[str] = field(default_factory=set)
     loads: int = 0
 
-    def accept(self, handles: Mapping[str, Any]) -> TensorSpecs:
-        """Check one load before any of it is written; record it.
-
-        Returns:
-            The load's ``{name: (shape, dtype)}``.
+    def accept_specs(self, specs: TensorSpecs) -> None:
+        """Check one load, described by ``{name: (shape, dtype)}``, before any of it is
+        written; record it.
 
         Raises:
-            WeightUpdateError: malformed handles, a name the model lacks, a shape or dtype that
-                does not fit, or a name that already arrived in this transaction.
+            WeightUpdateError: a name the model lacks, a shape or dtype that does not fit, or a
+                name that already arrived in this transaction.
         """
-        specs = describe_weight_handles(handles)
-        self.accept_specs(specs)
-        return specs
-
-    def accept_specs(self, specs: TensorSpecs) -> None:
-        """``accept`` for a load described by its specs (a collective broadcast)."""
         check_weights_match(specs, self.model)
         again = sorted(set(specs) & self.received)
         if again:

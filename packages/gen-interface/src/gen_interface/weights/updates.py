@@ -10,6 +10,7 @@ optional staleness bound on where rows may start.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["WeightUpdateSteps", "WeightUpdates"]
 
+logger = logging.getLogger(__name__)
+
 
 def _nothing(*_: Any) -> None:
     return None
@@ -40,9 +43,11 @@ class WeightUpdateSteps:
             It may raise ``WeightUpdateError`` before writing anything.
         begin: prepare the workers for loads (e.g. pause generation, vLLM's
             ``start_weight_update``); receives the version and what to do with running rows.
-        commit: finish on the workers and verify that all took the same weights; receives the
-            version. Raising here after loads means the weights are not trustworthy.
-        abort: finish on the workers after a failure; receives whether loads were written.
+        commit: finish on the workers, verify that all took the same weights, and let paused
+            rows go on with them; receives the version. If it raises, ``abort`` runs next.
+        abort: end the update on the workers without a new version (an abort, a refused or
+            failed commit); receives whether loads were written. When they were, rows paused
+            by ``begin`` must not go on with these weights: they end, cut short.
     """
 
     load: Callable[[Mapping[str, Any]], None]
@@ -141,7 +146,7 @@ class WeightUpdates:
             try:
                 self.steps.commit(txn.version)
             except BaseException:
-                self._close(written=txn.loads > 0, why="verifying it failed")
+                self._drop(txn, why="verifying it failed")
                 raise
             with self._changed:
                 self.version = txn.version
@@ -154,13 +159,29 @@ class WeightUpdates:
     def abort(self) -> None:
         """Drop the transaction; see ``GenerationInterface.abort_weight_update``."""
         with self._lock:
-            if self._open is None:
-                return
-            written = self._open.loads > 0
-            try:
-                self.steps.abort(written)
-            finally:
-                self._close(written=written, why="it was aborted after loads were written")
+            if self._open is not None:
+                self._drop(self._open, why="it was aborted after loads were written", strict=True)
+
+    def _drop(self, txn: WeightTransaction, *, why: str, strict: bool = False) -> None:
+        """End ``txn`` without a new version: the backend's abort step, then the bookkeeping,
+        which happens even when that step fails. ``strict``: the step's error propagates
+        (otherwise it is logged: an error is already on its way to the caller)."""
+        written = txn.loads > 0
+        try:
+            self.steps.abort(written)
+        except Exception:
+            if strict:
+                raise
+            logger.exception("ending a failed weight update on the workers failed too")
+        finally:
+            if written:
+                self.lifecycle.weights_discarded(
+                    f"a weight update left them part old, part new: {why}; commit a complete update"
+                )
+            with self._changed:
+                self._open = None
+                self._changed.notify_all()
+            self.lifecycle.end_update()
 
     # ---- the staleness bound ------------------------------------------------------------
 
@@ -214,16 +235,6 @@ class WeightUpdates:
             f"{pending}. Nothing ran: update the weights to version "
             f">= {self.announced - max_staleness}, then call again"
         )
-
-    def _close(self, *, written: bool, why: str) -> None:
-        if written:
-            self.lifecycle.weights_discarded(
-                f"a weight update left them part old, part new: {why}; commit a complete update"
-            )
-        with self._changed:
-            self._open = None
-            self._changed.notify_all()
-        self.lifecycle.end_update()
 
     def _require_open(self, what: str) -> WeightTransaction:
         if self._open is None:

@@ -1,0 +1,432 @@
+"""``GenerationBackend``: what every backend shares, once, so each backend is only its own steps.
+
+The base owns the public methods of ``GenerationInterface``: input validation, the per-row
+sampling of a call (``resolve_sampling``), the staleness bound, the life cycle, the output
+layout, ``with_sampling`` front ends, and the weight-update transaction with its checks. A
+backend subclasses it and implements the steps that make it different:
+
+========================  =======================================================================
+step                      what it does
+========================  =======================================================================
+``_run_rows``             generate every row of a validated ``GenerationCall`` (required)
+``_stream_rows``          yield rows as they finish (default: ``_run_rows`` on a thread, rows
+                          handed over as it reports them)
+``_score_rows``           teacher-forced logprobs (default: ``score`` is not supported)
+``_wake`` / ``_release``  the life cycle's resources (defaults: nothing sleeps)
+``_close``                free everything (default: nothing)
+``_load_handles``         write one load of shared weights (weight updates need it)
+``_write_state_dict``     write one load from an in-process state dict (optional)
+``_load_broadcast``       receive and write one broadcast bucket (optional)
+``_begin_update`` ...     pause, commit and abort around the loads on the backend's workers
+========================  =======================================================================
+
+A ``BackendBrokenError`` raised by any step marks the backend broken (every later call but
+``shutdown`` refuses, saying why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self, cast
+
+import torch
+
+from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.config import validate_generation_config, with_per_call_overrides
+from gen_interface.errors import (
+    GenerationConfigError,
+    GenerationError,
+    GenerationInputError,
+    WeightUpdateError,
+)
+from gen_interface.inputs import PromptBatch, normalize_generation_input
+from gen_interface.interface import GenerationInterface, InFlight
+from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
+from gen_interface.outputs import RowResult, build_generation_output, build_row_output
+from gen_interface.row_sampling import BatchSampling, resolve_sampling
+from gen_interface.scoring import ScoreBatch, normalize_score_input, scatter_response_logprobs
+from gen_interface.specs import (
+    GenerationConfig,
+    GenerationDatumSpec,
+    GenerationOutputSpec,
+    ScoreSpec,
+)
+from gen_interface.stepping import RowControl
+from gen_interface.weights.consumer import (
+    TensorSpecs,
+    check_update_is_complete,
+    check_weights_match,
+    release_shared_weights,
+    state_dict_specs,
+)
+from gen_interface.weights.handles import describe_slots
+from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
+
+__all__ = ["GenerationBackend", "GenerationCall"]
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    """One validated generate call: the prompts and how every row is sampled.
+
+    Attributes:
+        prompts: the canonical batch (``normalize_generation_input``).
+        sampling: one ``RowSampling`` per row, in input order.
+    """
+
+    prompts: PromptBatch
+    sampling: BatchSampling
+
+    @property
+    def size(self) -> int:
+        return self.prompts.size
+
+
+class GenerationBackend(GenerationInterface):
+    """The shared body of a backend; subclasses implement the steps listed in the module doc.
+
+    A subclass completes its config (``complete_config``), builds its model or workers, then
+    calls ``super().__init__``.
+
+    Args:
+        config: the completed config.
+        vocab_size: token ids must lie below it; None: not checked.
+        context_limit: the longest prompt + generation; prompts must be shorter. None: no limit.
+        has_tokenizer: stop strings can be honoured; without one they are refused.
+        model_specs: ``{checkpoint name: (shape, dtype)}`` every weight update must match, or
+            None when the backend cannot update weights.
+        optional_weights: names an update may omit (aliases of tied weights).
+        weights_absent: why there are no real weights yet (started without reading the
+            checkpoint), or None.
+    """
+
+    #: The level of the config holding the backend's own settings and its ``load_format``
+    #: (``"auto"``: read the checkpoint; ``"dummy"``: the first weight update brings them).
+    settings_key: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        *,
+        vocab_size: int | None,
+        context_limit: int | None,
+        has_tokenizer: bool,
+        model_specs: TensorSpecs | None,
+        optional_weights: Collection[str] = (),
+        weights_absent: str | None = None,
+    ):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.context_limit = context_limit
+        self.has_tokenizer = has_tokenizer
+        self._lifecycle: Lifecycle | LifecycleView = Lifecycle(
+            type(self).__name__,
+            wake=self._wake,
+            release=self._release,
+            close=self._close,
+            weights_absent=weights_absent,
+        )
+        self._weights: WeightUpdates | None = None
+        if model_specs is not None:
+            self._weights = WeightUpdates(
+                self._lifecycle,
+                model_specs,
+                optional_weights,
+                WeightUpdateSteps(
+                    load=self._load_handles,
+                    begin=self._begin_update,
+                    commit=self._commit_update,
+                    abort=self._abort_update,
+                ),
+            )
+
+    # ---- configuration -------------------------------------------------------------------
+
+    @classmethod
+    def complete_config(cls, config: Mapping[str, Any]) -> GenerationConfig:
+        """A validated copy of ``config`` with the backend's own defaults filled in.
+
+        The default checks it against ``config_schema``. Backends with settings of their own
+        override it; ``with_sampling`` runs it on every front end's config too.
+
+        Raises:
+            GenerationConfigError: naming the field at fault.
+        """
+        validate_generation_config(
+            config, schema=cls.config_schema, foreign=cls.config_foreign_keys
+        )
+        return cast(GenerationConfig, copy.deepcopy(dict(config)))
+
+    @classmethod
+    def set_weight_loading(cls, config: dict[str, Any], *, read_checkpoint: bool) -> None:
+        """Sets ``config[settings_key]["load_format"]``: ``"auto"`` or ``"dummy"``."""
+        if cls.settings_key is None:
+            super().set_weight_loading(config, read_checkpoint=read_checkpoint)
+            return
+        settings = config.get(cls.settings_key)
+        config[cls.settings_key] = {
+            **(settings if isinstance(settings, Mapping) else {}),
+            "load_format": "auto" if read_checkpoint else "dummy",
+        }
+
+    def with_sampling(self, **overrides: Any) -> Self:
+        view = copy.copy(self)
+        view.config = type(self).complete_config(with_per_call_overrides(self.config, overrides))
+        if view.config.get("stop_strings") and not self.has_tokenizer:
+            raise GenerationConfigError(self._no_tokenizer("stop_strings"))
+        view._lifecycle = self._lifecycle.view()
+        return view
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        call = self._new_call(data, greedy)
+        if self._weights is not None:
+            self._weights.admit(self.config.get("max_weight_staleness"))
+        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+            rows = self._run_rows(call, RowControl())
+        _check_every_row({i for i, row in enumerate(rows) if row is not None}, call.size)
+        return build_generation_output(
+            call.prompts, cast(list[RowResult], list(rows)), self.config["pad_token_id"]
+        )
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncGenerator[tuple[int, BatchedDataDict[GenerationOutputSpec]], None]:
+        """Yield ``(row index, one-row output)`` as rows finish: the rows ``generate`` returns.
+        Closing the iterator early ends the rows not yet returned."""
+        call = self._new_call(data, greedy)
+        if self._weights is not None:
+            await self._weights.admit_async(self.config.get("max_weight_staleness"))
+        pad = self.config["pad_token_id"]
+        seen: set[int] = set()
+        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+            async for index, row in self._stream_rows(call):
+                seen.add(index)
+                yield index, build_row_output(call.prompts, index, row, pad)
+        _check_every_row(seen, call.size)
+
+    def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
+        if not self._implements("_score_rows"):
+            return super().score(data)
+        batch = normalize_score_input(data, vocab_size=self.vocab_size)
+        limit = self.context_limit
+        too_long = [i for i, s in enumerate(batch.sequences) if limit and len(s) >= limit]
+        if too_long:
+            raise GenerationInputError(
+                f"score row {too_long[0]} has {len(batch.sequences[too_long[0]])} tokens; "
+                f"sequences must be shorter than the context limit {limit}"
+            )
+        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+            per_row = self._score_rows(batch) if batch.sequences else []
+        return scatter_response_logprobs(batch, per_row)
+
+    def _new_call(self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool) -> GenerationCall:
+        """Validate the batch and resolve every row's sampling, before anything runs."""
+        prompts = normalize_generation_input(
+            data,
+            pad_token_id=self.config["pad_token_id"],
+            vocab_size=self.vocab_size,
+            context_limit=self.context_limit,
+        )
+        sampling = resolve_sampling(self.config, prompts, greedy=greedy)
+        if sampling.needs_tokenizer and not self.has_tokenizer:
+            row = next(i for i, r in enumerate(sampling.rows) if r.stop_strings)
+            raise GenerationInputError(
+                f"stop_strings row {row} is {list(sampling.rows[row].stop_strings)!r}, but "
+                + self._no_tokenizer("stop strings")
+            )
+        return GenerationCall(prompts, sampling)
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def prepare_for_generation(
+        self, *args: Any, tags: list[str] | None = None, **kwargs: Any
+    ) -> None:
+        """Wake what ``finish_generation`` put to sleep: weights first, then the KV cache.
+
+        ``tags`` (NeMo RL's): wake only ``"weights"`` and/or ``"kv_cache"``. Idempotent.
+        """
+        with self._lifecycle.breaks_on_fatal():
+            self._lifecycle.prepare(tags)
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> None:
+        with self._lifecycle.breaks_on_fatal():
+            self._lifecycle.finish()
+
+    def shutdown(self) -> None:
+        """Free everything the backend holds (a ``with_sampling`` front end closes only itself).
+        Idempotent."""
+        self._lifecycle.shutdown()
+
+    # ---- weight updates ------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weights.version if self._weights is not None else 0
+
+    def start_weight_update(
+        self, version: int | None = None, *, in_flight: InFlight = "keep"
+    ) -> int:
+        weights = self._weight_updates("start_weight_update")
+        with self._lifecycle.breaks_on_fatal():
+            return weights.start(version, in_flight)
+
+    def announce_weight_version(self, version: int) -> None:
+        self._weight_updates("announce_weight_version").announce(version)
+
+    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
+        weights = self._weight_updates("update_weights_from_ipc_handles")
+        try:
+            with self._lifecycle.breaks_on_fatal():
+                weights.load(handles)
+        finally:
+            release_shared_weights(handles)
+
+    def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        weights = self._weight_updates("update_weights_from_state_dict", "_write_state_dict")
+        with self._lifecycle.breaks_on_fatal():
+            weights.load_described(
+                state_dict_specs(state_dict), lambda: self._write_state_dict(state_dict)
+            )
+
+    def update_weights_from_collective(self, bucket: Mapping[str, Any]) -> None:
+        weights = self._weight_updates("update_weights_from_collective", "_load_broadcast")
+        with self._lifecycle.breaks_on_fatal():
+            weights.load_described(
+                describe_slots(bucket["tensors"]), lambda: self._load_broadcast(bucket)
+            )
+
+    def commit_weight_update(self) -> int:
+        weights = self._weight_updates("commit_weight_update")
+        with self._lifecycle.breaks_on_fatal():
+            return weights.commit()
+
+    def abort_weight_update(self) -> None:
+        weights = self._weight_updates("abort_weight_update")
+        with self._lifecycle.breaks_on_fatal():
+            weights.abort()
+
+    def prepare_refit_info(
+        self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
+    ) -> None:
+        """Check that updates described by ``state_dict_info`` fit the model: every name known,
+        shapes equal, dtypes castable, and every weight of the model present."""
+        weights = self._weight_updates("prepare_refit_info")
+        check_weights_match(state_dict_info, weights.model)
+        check_update_is_complete(state_dict_info, weights.model, weights.optional)
+
+    def _weight_updates(self, method: str, step: str = "_load_handles") -> WeightUpdates:
+        """The transaction state, once the backend is known to take updates this way."""
+        if self._weights is None or not self._implements(step):
+            raise NotImplementedError(f"{type(self).__name__} does not support {method}")
+        self._lifecycle.check_open(WeightUpdateError)
+        return self._weights
+
+    # ---- the backend's steps -------------------------------------------------------------
+
+    def _run_rows(self, call: GenerationCall, control: RowControl) -> Sequence[RowResult | None]:
+        """Generate every row of ``call``: one result per row, in input order.
+
+        Report each row through ``control.finished`` as it ends (``_stream_rows`` hands them
+        over then) and stop early once ``control.cancelled`` is set. A row the backend lost is
+        None: the call then raises ``GenerationError`` naming it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement _run_rows")
+
+    async def _stream_rows(self, call: GenerationCall) -> AsyncIterator[tuple[int, RowResult]]:
+        """Yield ``(row index, result)`` as rows finish; closing the iterator ends the call.
+
+        The default runs ``_run_rows`` on a thread and hands each row over as it is reported
+        (rows it returns without reporting come after it returns).
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, RowResult] | None] = asyncio.Queue()
+        control = RowControl(
+            on_row=lambda i, row: loop.call_soon_threadsafe(queue.put_nowait, (i, row))
+        )
+
+        def run() -> Sequence[RowResult | None]:
+            try:
+                return self._run_rows(call, control)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        worker = loop.run_in_executor(None, run)
+        seen: set[int] = set()
+        try:
+            while (item := await queue.get()) is not None:
+                seen.add(item[0])
+                yield item
+            for index, row in enumerate(await worker):
+                if row is not None and index not in seen:
+                    yield index, row
+        finally:
+            if not worker.done():  # the caller stopped reading: end the call, then wait for it
+                control.cancelled.set()
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(worker)
+
+    def _score_rows(self, batch: ScoreBatch) -> list[torch.Tensor]:
+        """Per row i, float32 ``[g_i]``: the raw logprob of each response token."""
+        raise NotImplementedError(f"{type(self).__name__} does not support score")
+
+    def _wake(self, resources: tuple[Resource, ...]) -> None:
+        """Bring back the given resources (asleep now), in the order given."""
+
+    def _release(self) -> frozenset[Resource]:
+        """Free what generation holds; return what is now asleep."""
+        return frozenset()
+
+    def _close(self) -> None:
+        """Free everything, once (``lifecycle.close_all`` runs every step even if one fails)."""
+
+    def _load_handles(self, handles: Mapping[str, Any]) -> None:
+        """Write one load of shared weights (already checked against the model) everywhere."""
+        raise NotImplementedError(f"{type(self).__name__} does not support weight updates")
+
+    def _write_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Write one load from an in-process state dict (already checked)."""
+        raise NotImplementedError
+
+    def _load_broadcast(self, bucket: Mapping[str, Any]) -> None:
+        """Receive one broadcast bucket on every worker and write it (already checked)."""
+        raise NotImplementedError
+
+    def _begin_update(self, version: int, in_flight: InFlight) -> None:
+        """Prepare for loads: running rows pause (``"keep"``) or end cut short (``"abort"``)."""
+
+    def _commit_update(self, version: int) -> None:
+        """Every weight arrived: verify, label the weights ``version``, let paused rows go on."""
+
+    def _abort_update(self, written: bool) -> None:
+        """The update is dropped. ``written``: some loads were written, so rows paused by
+        ``_begin_update`` must not go on (their next tokens would come from part-old, part-new
+        weights): end them cut short. Otherwise they resume as if nothing happened."""
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _implements(self, step: str) -> bool:
+        return getattr(type(self), step) is not getattr(GenerationBackend, step)
+
+    def _no_tokenizer(self, what: str) -> str:
+        return (
+            f"{what} need a tokenizer and this {type(self).__name__} has none (model "
+            f"{self.config.get('model_name')!r}); use stop_token_ids"
+        )
+
+
+def _check_every_row(present: Collection[int], count: int) -> None:
+    """Raise ``GenerationError`` naming the rows of ``range(count)`` not in ``present``."""
+    missing = [i for i in range(count) if i not in present]
+    if missing:
+        raise GenerationError(
+            f"the backend returned no result for {len(missing)} of {count} rows (rows "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}); nothing of this call is returned"
+        )
