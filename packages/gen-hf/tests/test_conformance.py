@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import pytest
+import torch
 from gen_hf import HfConfig, HfGeneration
 from gen_testkit.conformance import (
     ConformanceSubject,
@@ -23,9 +24,26 @@ def hf_subject(model: TinyModel, logprobs_mode: str) -> ConformanceSubject:
         logprobs_mode=logprobs_mode,
         hf_cfg={"device": "cpu"},
     )
-    return ConformanceSubject(
-        HfGeneration(cast(HfConfig, config)), model.vocab_size, model.state_dict()
-    )
+    backend = HfGeneration(cast(HfConfig, config))
+    return ConformanceSubject.for_model(backend, model, fail_rows=_forward_failure(backend))
+
+
+def _forward_failure(backend: HfGeneration) -> Callable[[bool], None]:
+    """``fail_rows``: while on, every forward pass of the model raises, as a failing kernel
+    would."""
+    hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def fail(module: torch.nn.Module, args: object) -> None:
+        raise RuntimeError("a kernel failed (the test's forward hook)")
+
+    def fail_rows(on: bool) -> None:
+        if on:
+            hooks.append(backend._model().model.register_forward_pre_hook(fail))
+        else:
+            while hooks:
+                hooks.pop().remove()
+
+    return fail_rows
 
 
 class TestHfQwen2Raw(GenerationConformanceSuite):

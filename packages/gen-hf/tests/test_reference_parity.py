@@ -213,8 +213,10 @@ def test_processed_logprobs_equal_a_hand_computation(
     """
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def recording(logits: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, chosen = select_next_tokens(logits, **kwargs)
+    def recording(
+        logits: torch.Tensor, rows: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, chosen = select_next_tokens(logits, rows, **kwargs)
         steps.append((logits.detach().cpu().clone(), tokens.cpu(), chosen.cpu()))
         return tokens, chosen
 

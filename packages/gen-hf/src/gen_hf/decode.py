@@ -3,85 +3,67 @@
 Prompts are left-padded so every row's next token sits in the last column; ``position_ids``
 count each row's real tokens, so padding never shifts a row's positions and the padding layout
 of the input cannot change its result. Each step picks tokens with the reference decoding step
-(``gen_interface.sampling.select_next_tokens``) and stops rows with the call's ``StopRules``.
+(``gen_interface.sampling.select_next_tokens``, each row with its own ``RowSampling``) and stops
+rows with the call's ``StopRules``. Every forward pass is one step of the call's ``StepGate``.
 Rows that finish are dropped from the batch and the cache, and so are the leading cache columns
 that only finished rows needed, so they stop costing compute.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from gen_interface import GenerationError, RowResult
+from gen_interface import BatchSampling, GenerationError, RowResult
 from gen_interface.decoding import StopRules
 from gen_interface.sampling import select_next_tokens
+from gen_interface.stepping import RowControl, StepGate
 from transformers import DynamicCache
 
 from gen_hf.cache import drop_leading_columns, new_group_cache
-from gen_hf.gate import StepGate
 from gen_hf.loading import LoadedModel
 
-__all__ = ["DecodeCall", "SamplingStep", "decode_batch", "decode_rows", "forward_errors"]
+__all__ = ["DecodeCall", "decode_batch", "decode_rows", "forward_errors"]
 
 # Id placed in padded prompt positions: masked out, it only has to be a valid embedding row.
 _FILL_ID = 0
 
 
 @dataclass(frozen=True)
-class SamplingStep:
-    """How every step of one call picks its tokens.
-
-    Attributes:
-        greedy: argmax at every step (``is_greedy`` already applied); logprobs are then raw.
-        temperature, top_k, top_p: the sampling settings (``sampling_settings_of``).
-        processed: report processed rather than raw logprobs when sampling.
-    """
-
-    greedy: bool
-    temperature: float
-    top_k: int | None
-    top_p: float
-    processed: bool
-
-
-@dataclass
 class DecodeCall:
-    """One call's link to the world outside its decode loop.
+    """One call's decoding, as ``decode_batch`` runs it.
 
     Attributes:
+        sampling: every row's sampling (call row order).
+        rules: the call's stop rules.
+        generators: one per call row; sampling draws from them on the CPU, so a row's sample
+            depends only on its own seed.
         gate: steps take turns with weight updates through it.
-        mark: ``gate.enter()`` when the call began (an ``"abort"`` update after it cuts the call).
-        on_row: called with (call row index, result) as each row finishes, from the decoding
-            thread.
-        cancelled: set it to end the call at its next step (rows not finished are dropped).
+        mark: ``gate.enter()`` when the call began (an ``"abort"`` update after it cuts it).
+        control: who hears of finished rows, and the flag that ends the call early.
     """
 
+    sampling: BatchSampling
+    rules: StopRules
+    generators: Sequence[torch.Generator]
     gate: StepGate
     mark: int
-    on_row: Callable[[int, RowResult], object] | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    control: RowControl
 
     def finished(self, row: int, result: RowResult) -> RowResult:
-        if self.on_row is not None:
-            self.on_row(row, result)
-        return result
+        return self.control.finished(row, result)
 
 
 def decode_batch(
     loaded: LoadedModel,
     prompts: Sequence[Sequence[int]],
     *,
-    rules: StopRules,
-    generators: Sequence[torch.Generator],
-    step: SamplingStep,
     device: torch.device,
     max_batch_size: int,
     call: DecodeCall,
-) -> list[RowResult]:
+) -> list[RowResult | None]:
     """Generate for every prompt of a call, ``max_batch_size`` rows per group.
 
     Rows of similar prompt length share a group, so groups carry little padding; a row's
@@ -90,11 +72,12 @@ def decode_batch(
     Args:
         loaded: the model.
         prompts: the call's unpadded prompts, in input order.
-        rules, generators, step, device, call: as for ``decode_rows``.
+        device, call: as for ``decode_rows``.
         max_batch_size: most rows per forward pass.
 
     Returns:
-        One ``RowResult`` per prompt, in input order (fewer when ``call.cancelled`` is set).
+        One ``RowResult`` per prompt, in input order (None for rows not run because
+        ``call.control.cancelled`` was set).
 
     Raises:
         GenerationError: a forward pass failed (out of memory, a kernel error).
@@ -103,21 +86,12 @@ def decode_batch(
     results: dict[int, RowResult] = {}
     with torch.inference_mode(), forward_errors():
         for start in range(0, len(order), max_batch_size):
-            if call.cancelled.is_set():
+            if call.control.cancelled.is_set():
                 break
             rows = order[start : start + max_batch_size]
-            group = decode_rows(
-                loaded,
-                [prompts[i] for i in rows],
-                rows,
-                rules=rules,
-                generators=generators,
-                step=step,
-                device=device,
-                call=call,
-            )
+            group = decode_rows(loaded, [prompts[i] for i in rows], rows, device=device, call=call)
             results.update(zip(rows, group))
-    return [results[i] for i in range(len(prompts)) if i in results]
+    return [results.get(i) for i in range(len(prompts))]
 
 
 @contextmanager
@@ -137,9 +111,6 @@ def decode_rows(
     prompts: Sequence[Sequence[int]],
     rows: Sequence[int],
     *,
-    rules: StopRules,
-    generators: Sequence[torch.Generator],
-    step: SamplingStep,
     device: torch.device,
     call: DecodeCall,
 ) -> list[RowResult]:
@@ -154,22 +125,20 @@ def decode_rows(
         loaded: the model.
         prompts: the group's unpadded prompts (each at least one token, shorter than the
             context limit).
-        rows: each prompt's row index in the call, for ``rules`` and ``generators``.
-        rules: the call's stop rules.
-        generators: the call's per-row generators (indexed by call row); sampling draws from
-            them on the CPU, so a row's sample depends only on its own seed.
-        step: how tokens are picked.
+        rows: each prompt's row index in the call (its sampling, rules and generator).
         device: the model's device.
-        call: the gate, the call's mark, who hears of finished rows, the cancel flag.
+        call: the call's sampling, rules and generators, its gate and mark, and its control.
 
     Returns:
-        One ``RowResult`` per prompt, in the order given (none when ``call.cancelled`` is set).
+        One ``RowResult`` per prompt, in the order given (none when the call is cancelled).
     """
     count = len(prompts)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
-    # [A, width + max_new_tokens]: ones past the prompts, so each step's mask is a view.
-    mask = torch.ones((count, width + rules.max_new_tokens), dtype=torch.int64)
+    rules = call.rules
+    most_new = max(rules.max_new_tokens[r] for r in rows)
+    # [A, width + most_new]: ones past the prompts, so each step's mask is a view.
+    mask = torch.ones((count, width + most_new), dtype=torch.int64)
     input_ids = torch.full((count, width), _FILL_ID, dtype=torch.int64)
     for i, prompt in enumerate(prompts):
         pad = width - lengths[i]
@@ -179,7 +148,7 @@ def decode_rows(
     input_ids = input_ids.to(device)
     positions = (mask[:, :width].cumsum(dim=1) - 1).clamp(min=0)  # [A, width]
 
-    cache = new_group_cache(loaded.model.config, width + rules.max_new_tokens)
+    cache = new_group_cache(loaded.model.config, width + most_new)
     with call.gate.step(call.mark) as ticket:
         if ticket.cut:
             return [call.finished(r, RowResult([], [], False, cut_short=True)) for r in rows]
@@ -187,7 +156,8 @@ def decode_rows(
         start_version = version = ticket.version  # of the weights behind ``logits``
     next_position = positions[:, -1] + 1  # [A]
     leading_pads = [width - n for n in lengths]
-    generator_of = [generators[r] for r in rows]
+    generator_of = [call.generators[r] for r in rows]
+    sampling_of = [call.sampling.rows[r] for r in rows]
 
     generated: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
@@ -209,14 +179,10 @@ def decode_rows(
 
     active = list(range(count))  # group-local index of each row still running, batch order
     while True:
-        sample_on = logits if step.greedy or device.type == "cpu" else logits.float().cpu()
         tokens, chosen = select_next_tokens(
-            sample_on,
-            greedy=step.greedy,
-            temperature=step.temperature,
-            top_k=step.top_k,
-            top_p=step.top_p,
-            processed=step.processed,
+            logits,
+            [sampling_of[a] for a in active],
+            processed=call.sampling.processed,
             generators=[generator_of[a] for a in active],
         )
         keep: list[int] = []
@@ -243,7 +209,7 @@ def decode_rows(
                 width -= trim
                 leading_pads = [n - trim for n in leading_pads]
         width += 1
-        if call.cancelled.is_set():
+        if call.control.cancelled.is_set():
             return []
         with call.gate.step(call.mark) as ticket:
             if ticket.cut:

@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from gen_interface import WeightUpdateError
-from gen_interface.weights import TensorSpecs
 
-__all__ = ["model_tensor_specs", "state_dict_specs", "tied_aliases", "write_weights"]
+__all__ = ["model_tensor_specs", "tied_aliases", "write_weights"]
 
 
 def model_tensor_specs(model: torch.nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -32,23 +30,6 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
             aliases.add(name)
         seen.add(key)
     return aliases
-
-
-def state_dict_specs(state_dict: Mapping[str, torch.Tensor]) -> TensorSpecs:
-    """``{name: (shape, dtype)}`` of an in-process state dict.
-
-    Raises:
-        WeightUpdateError: a value is not a tensor.
-    """
-    specs = {}
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise WeightUpdateError(
-                f"weight update refused, nothing was written: {name!r} is a "
-                f"{type(tensor).__name__}, not a torch.Tensor"
-            )
-        specs[name] = (tensor.shape, tensor.dtype)
-    return specs
 
 
 def write_weights(
