@@ -41,18 +41,15 @@ def _replaced_sampling(processed):
     """Decode with ``processed`` in place of the reference processed distribution."""
     original = ngram_backend.select_next_tokens
 
-    def select(logits, *, greedy, temperature, top_k, top_p, processed: bool, generators):
-        if greedy:
-            return original(
-                logits,
-                greedy=True,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                processed=processed,
-                generators=generators,
-            )
-        filtered = processed_fn(logits, temperature, top_k, top_p)
+    def select(logits, rows, *, processed: bool, generators):
+        if all(row.greedy for row in rows):
+            return original(logits, rows, processed=processed, generators=generators)
+        filtered = torch.cat(
+            [
+                processed_fn(logits[i : i + 1], row.temperature, row.top_k, row.top_p)
+                for i, row in enumerate(rows)
+            ]
+        )
         tokens = torch.stack(
             [
                 torch.multinomial(filtered[i].exp(), 1, generator=g)[0]

@@ -7,18 +7,33 @@ from gen_testkit.conformance import (
     conformance_config,
 )
 from gen_testkit.ngram import NgramGeneration
+from gen_testkit.suite.async_rows import AsyncRowChecks
+from gen_testkit.suite.in_flight import InFlightUpdateChecks
 from gen_testkit.suite.staleness import StalenessChecks
 
 VOCAB = 512
 
 
-def ngram_subject(logprobs_mode: str):
-    """A class's subject: an n-gram backend in ``logprobs_mode``, shut down after the class."""
+def ngram_subject(logprobs_mode: str, *, backend_cls=NgramGeneration, in_flight: bool = False):
+    """A class's subject: an n-gram backend in ``logprobs_mode``, shut down after the class.
+
+    ``in_flight``: long enough a context for the in-flight checks' 400-token rows, and a pause
+    before each step, so their updates land while the rows run.
+    """
+    ngram = {"context_limit": 1024, "seconds_per_step": 0.003} if in_flight else {}
     config = conformance_config(
-        backend="ngram", model_name="ngram", vocab_size=VOCAB, logprobs_mode=logprobs_mode
+        backend="ngram",
+        model_name="ngram",
+        vocab_size=VOCAB,
+        logprobs_mode=logprobs_mode,
+        ngram=ngram,
     )
-    backend = NgramGeneration(config)
-    yield ConformanceSubject(backend, VOCAB, backend.state_dict())
+    backend = backend_cls(config)
+
+    def fail_rows(on: bool) -> None:
+        backend.model.failing = on
+
+    yield ConformanceSubject(backend, VOCAB, backend.state_dict(), fail_rows)
     backend.shutdown()
 
 
@@ -40,6 +55,20 @@ class TestNgramProcessed(TestNgramRaw):
 
 
 class TestNgramStaleness(StalenessChecks):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls):
+        yield from ngram_subject("raw")
+
+
+class TestNgramInFlight(InFlightUpdateChecks):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls):
+        yield from ngram_subject("raw", in_flight=True)
+
+
+class TestNgramAsyncRows(AsyncRowChecks):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls):

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
-from gen_interface import GenerationError
+from gen_interface import GenerationError, MixedWeightsError
 from gen_interface.weights import read_shared_weights
 from gen_testkit.ngram import NgramGeneration
 
@@ -222,7 +222,50 @@ class PartialWriteOnMismatch(NgramGeneration):
 
 class SegmentsLeft(NgramGeneration):
     def update_weights_from_ipc_handles(self, handles):
-        self._write(dict(read_shared_weights(handles, expected=self.model.specs())))
+        with self.gate.lock:
+            self._write_tensors(read_shared_weights(handles, expected=self.model.specs()))
+
+
+class AbortResumesPausedRows(NgramGeneration):
+    """An update dropped after some of it was written lets the rows it paused go on, on weights
+    that are part old, part new (gen-vllm and gen-hf before the shared base)."""
+
+    def _abort_update(self, written):
+        self.gate.reopen(None)
+
+
+class ProbeComparedAfterResuming(NgramGeneration):
+    """Checks that its two replicas took the same weights by scoring a probe on each, compared
+    exactly, after the rows resumed (gen-vllm before the shared base). A replica scoring the
+    probe beside running rows differs in the last bits, as GPU kernels do with batch shape, so
+    a healthy update while rows run breaks the backend."""
+
+    running = 0
+
+    def _run_rows(self, call, control):
+        type(self).running += 1
+        try:
+            return super()._run_rows(call, control)
+        finally:
+            type(self).running -= 1
+
+    def _commit_update(self, version):
+        super()._commit_update(version)  # the rows resume
+        probe = list(range(3, 35))
+        logits = self.model.sequence_logits(probe[:-1]).log_softmax(-1)
+        score = float(logits.gather(1, torch.tensor(probe[1:])[:, None]).sum())
+        beside_rows = score * (1 + 1e-7 * self.running)  # the other replica's batch mates
+        if score != beside_rows:
+            raise MixedWeightsError("replicas give different logprobs for the probe")
+
+
+class EngineErrorAsLength(NgramGeneration):
+    """Reads a finish reason it does not know (an engine error) as a length cut-off (gen-vllm
+    before the shared base)."""
+
+    def _ended(self, reason, tokens, logprobs, version, versions):
+        known = reason if reason in ("stop", "length", "abort") else "length"
+        return super()._ended(known, tokens, logprobs, version, versions)
 
 
 class AsyncDropsARow(NgramGeneration):
@@ -288,6 +331,21 @@ FAULTS: dict[str, tuple[type[NgramGeneration], str, set[str]]] = {
         {"test_weight_update_changes_outputs_and_restores"},
     ),
     "async drops a row": (AsyncDropsARow, "raw", {"test_generate_async_yields_every_row"}),
+    "abort resumes paused rows": (
+        AbortResumesPausedRows,
+        "raw",
+        {"test_an_update_dropped_after_a_write_cuts_the_rows_it_paused"},
+    ),
+    "probe compared after resuming": (
+        ProbeComparedAfterResuming,
+        "raw",
+        {"test_a_keep_update_midway_changes_the_later_tokens_and_versions_say_where"},
+    ),
+    "engine error read as length": (
+        EngineErrorAsLength,
+        "raw",
+        {"test_a_row_the_engine_fails_is_an_error_never_a_length_cut_off"},
+    ),
 }
 
 
@@ -296,17 +354,9 @@ HERE = Path(__file__).parent
 _HEADER = """
 import pytest
 from test_suite_catches_faults import FAULTS
-from gen_testkit.conformance import (
-    ConformanceSubject, GenerationConformanceSuite, conformance_config,
-)
-
-def _subject(fault):
-    backend_cls, mode, _ = FAULTS[fault]
-    config = conformance_config(
-        backend="ngram", model_name="ngram", vocab_size=512, logprobs_mode=mode
-    )
-    backend = backend_cls(config)
-    return ConformanceSubject(backend, 512, backend.state_dict())
+from test_ngram_conformance import ngram_subject
+from gen_testkit.conformance import GenerationConformanceSuite
+from gen_testkit.suite.in_flight import InFlightUpdateChecks
 """
 
 #: Only whether each test fails matters here, not its smallest failing example: skip shrinking.
@@ -325,14 +375,15 @@ def pytest_configure(config):
 """
 
 _CLASS = """
-class TestFault{index}(GenerationConformanceSuite):
+class TestFault{index}(GenerationConformanceSuite, InFlightUpdateChecks):
     claims_weight_updates = True
     claims_score = True
 
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls):
-        yield _subject({fault!r})
+        backend_cls, mode, _ = FAULTS[{fault!r}]
+        yield from ngram_subject(mode, backend_cls=backend_cls, in_flight=True)
 """
 
 

@@ -44,6 +44,9 @@ BAD_INPUTS: dict[str, Callable[[int], dict[str, Any]]] = {
         attention_mask=torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
     ),
     "attention_mask holds a 2": _with(attention_mask=torch.tensor([[1, 2, 1, 0], [1, 1, 0, 0]])),
+    "float attention_mask holds 0.5": _with(
+        attention_mask=torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.5, 0.0, 0.0]])
+    ),
     "token id at the vocabulary size": _with(
         input_ids=lambda v: torch.tensor([[5, v, 7, 0], [8, 9, 0, 0]])
     ),

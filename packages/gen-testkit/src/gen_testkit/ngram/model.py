@@ -18,6 +18,9 @@ class NgramModel:
         if vocab_size < 2 or order < 1:
             raise ValueError(f"need vocab_size >= 2 and order >= 1, got {vocab_size}, {order}")
         generator = torch.Generator().manual_seed(init_seed)
+        #: While True, every forward pass raises ``RuntimeError``, as a failing kernel would
+        #: (tests of the error paths).
+        self.failing = False
         self.vocab_size = vocab_size
         self.order = order
         self.weights: dict[str, torch.Tensor] = {
@@ -32,7 +35,13 @@ class NgramModel:
         return {name: (w.shape, w.dtype) for name, w in self.weights.items()}
 
     def next_logits(self, contexts: list[list[int]]) -> torch.Tensor:
-        """Logits ``[A, V]`` of the token following each of the A contexts."""
+        """Logits ``[A, V]`` of the token following each of the A contexts.
+
+        Raises:
+            RuntimeError: ``failing`` is set.
+        """
+        if self.failing:
+            raise RuntimeError("the n-gram model's forward pass failed (failing is set)")
         logits = self.weights["bias"].expand(len(contexts), -1).clone()
         for k in range(1, self.order + 1):
             rows = [i for i, c in enumerate(contexts) if len(c) >= k]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from gen_interface import GenerationInterface
 
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.base import ConformanceSubject
@@ -38,12 +39,14 @@ class AsyncRowChecks:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def streaming(cls, subject: ConformanceSubject) -> Any:
+    def streaming(cls, subject: ConformanceSubject) -> GenerationInterface:
         if not subject.backend.capabilities.async_generation:
             pytest.skip("backend does not stream rows")
-        return subject.backend  # with_sampling: every backend here has it
+        return subject.backend
 
-    def test_streamed_rows_are_the_rows_generate_returns(self, streaming: Any) -> None:
+    def test_streamed_rows_are_the_rows_generate_returns(
+        self, streaming: GenerationInterface
+    ) -> None:
         view = streaming.with_sampling(max_new_tokens=12, stop_token_ids=[], seed=3)
         batch = pad_prompts(PROMPTS, "left")
         for greedy in (True, False):
@@ -55,7 +58,7 @@ class AsyncRowChecks:
                 assert torch.equal(row["output_ids"][0], expected["output_ids"][i, :width])
                 assert torch.equal(row["logprobs"][0], expected["logprobs"][i, :width])
 
-    def test_short_rows_arrive_before_long_ones(self, streaming: Any) -> None:
+    def test_short_rows_arrive_before_long_ones(self, streaming: GenerationInterface) -> None:
         long = 96
         view = streaming.with_sampling(max_new_tokens=long, stop_token_ids=[])
         # A stop token that the row of PROMPTS[1] emits first: that row ends after one token.
@@ -69,7 +72,7 @@ class AsyncRowChecks:
         assert sorted(order[: len(short)]) == short, (order, lengths)
 
     def test_many_concurrent_calls_from_one_event_loop_each_get_every_row_once(
-        self, streaming: Any
+        self, streaming: GenerationInterface
     ) -> None:
         view = streaming.with_sampling(max_new_tokens=6, stop_token_ids=[], seed=1)
         batches = [
@@ -95,7 +98,9 @@ class AsyncRowChecks:
         assert peak < total * self.peak_bytes_per_row, f"peak {peak} B for {total} rows"
         assert left < self.bytes_left_behind, f"{left} B still held after the calls"
 
-    def test_closing_a_stream_early_leaves_the_backend_usable(self, streaming: Any) -> None:
+    def test_closing_a_stream_early_leaves_the_backend_usable(
+        self, streaming: GenerationInterface
+    ) -> None:
         view = streaming.with_sampling(max_new_tokens=200, stop_token_ids=[])
         batch = pad_prompts(PROMPTS, "left")
 
@@ -126,5 +131,5 @@ def _traced(run: Any) -> tuple[int, int]:
     return peak, left
 
 
-async def _collect(view: Any, batch: Any, greedy: bool) -> list[tuple[int, Any]]:
+async def _collect(view: GenerationInterface, batch: Any, greedy: bool) -> list[tuple[int, Any]]:
     return [item async for item in view.generate_async(batch, greedy)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -71,16 +71,25 @@ class ConformanceSubject:
         backend: built from ``conformance_config``.
         vocab_size: the model's vocabulary size.
         state_dict: the model's weights by checkpoint name, for the weight-update tests.
+        fail_rows: ``fail_rows(True)`` makes the backend's engine fail every row it runs from
+            then on, as a failing kernel or an engine error would; ``fail_rows(False)`` ends
+            that. None when the backend offers no way to (the check is then skipped).
     """
 
     backend: GenerationInterface
     vocab_size: int
     state_dict: Mapping[str, torch.Tensor] | None = None
+    fail_rows: Callable[[bool], None] | None = None
 
     @classmethod
-    def for_model(cls, backend: GenerationInterface, model: TinyModel) -> ConformanceSubject:
+    def for_model(
+        cls,
+        backend: GenerationInterface,
+        model: TinyModel,
+        fail_rows: Callable[[bool], None] | None = None,
+    ) -> ConformanceSubject:
         """The subject of a backend serving one of the testkit's built models."""
-        return cls(backend, model.vocab_size, model.state_dict())
+        return cls(backend, model.vocab_size, model.state_dict(), fail_rows)
 
     def __repr__(self) -> str:
         return f"ConformanceSubject({type(self.backend).__name__}, vocab_size={self.vocab_size})"
@@ -113,6 +122,11 @@ class SuiteBase:
     #: Largest batch and prompt the properties draw.
     max_rows: ClassVar[int] = 6
     max_prompt_length: ClassVar[int] = 12
+    #: Prompt tokens and rows of the large-batch check: more prompt tokens than an engine
+    #: schedules in one step (vLLM on CPU: 4,096 by default, where a larger call once killed
+    #: the engine). Needs a context limit above ``large_batch_tokens / large_batch_rows``.
+    large_batch_tokens: ClassVar[int] = 6144
+    large_batch_rows: ClassVar[int] = 48
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -115,3 +115,30 @@ class DeterminismProperties(SuiteBase):
         }
         for padding in PADDINGS[1:]:
             self._assert_same(subject, outputs["left"], outputs[padding], f"{padding} vs left")
+
+    def test_a_batch_beyond_the_per_step_budget_gives_each_row_what_it_gives_alone(
+        self, subject: ConformanceSubject
+    ):
+        """A sampled, seeded batch with more prompt tokens than an engine schedules in one step
+        (``large_batch_tokens``): every row equals that row generated alone, and the backend
+        keeps serving."""
+        pad = subject.backend.config["pad_token_id"]
+        rows, length = self.large_batch_rows, self.large_batch_tokens // self.large_batch_rows
+        generator = torch.Generator().manual_seed(17)
+        prompts_ = [  # mixed lengths, within 3% of the budget
+            torch.randint(3, subject.vocab_size, (length - i % 4,), generator=generator).tolist()
+            for i in range(rows)
+        ]
+        seeds = torch.arange(1000, 1000 + rows)
+        batch = pad_prompts(prompts_, "left", pad_token_id=pad)
+        batch["sample_seeds"] = seeds
+        whole = subject.backend.generate(batch, greedy=False)
+        for i, prompt in enumerate(prompts_):
+            alone = pad_prompts([prompt], "right", pad_token_id=pad)
+            alone["sample_seeds"] = seeds[i : i + 1]
+            self._assert_same(
+                subject,
+                whole.select_indices([i]),
+                subject.backend.generate(alone, greedy=False),
+                f"row {i} of {rows} ({sum(map(len, prompts_))} prompt tokens) vs alone",
+            )

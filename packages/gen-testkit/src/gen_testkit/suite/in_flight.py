@@ -2,7 +2,10 @@
 
 ``"keep"``: running rows pause and go on with the new weights, each token's ``weight_versions``
 entry saying which weights produced it. ``"abort"``: running rows end at once with their tokens
-so far, marked ``cut_short``, and can be resumed from their prompt plus those tokens.
+so far, marked ``cut_short``, and can be resumed from their prompt plus those tokens. A ``keep``
+update dropped after part of it was written ends the rows it paused the same way: their next
+token would come from weights that are part old, part new. A healthy update while rows run
+commits, whatever those rows do to the numbers a backend's own checks see.
 
 The update has to land while the long rows run. A short call started after them returns once
 they have run a few steps, and the update starts then; on a machine slow enough that it still
@@ -15,13 +18,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
 import torch
-from gen_interface import BatchedDataDict, GenerationInterface, InFlight
-from gen_interface.weights import refit
+from gen_interface import BatchedDataDict, GenerationInterface, InFlight, WeightsAbsentError
+from gen_interface.weights import refit, share_weights
 
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.base import ConformanceSubject
@@ -52,13 +55,13 @@ class InFlightUpdateChecks:
         return subject.state_dict, new
 
     @pytest.fixture
-    def long_rows(self, subject: ConformanceSubject, weights: Any) -> Any:
-        backend: Any = subject.backend  # with_sampling: every backend here has it
+    def long_rows(self, subject: ConformanceSubject, weights: Any) -> Iterator[GenerationInterface]:
+        backend = subject.backend
         yield backend.with_sampling(max_new_tokens=self.long_tokens, stop_token_ids=[])
-        refit(subject.backend, weights[0])  # the next test starts on the checkpoint's weights
+        refit(backend, weights[0])  # the next test starts on the checkpoint's weights
 
     def test_a_keep_update_midway_changes_the_later_tokens_and_versions_say_where(
-        self, subject: ConformanceSubject, long_rows: Any, weights: Any
+        self, subject: ConformanceSubject, long_rows: GenerationInterface, weights: Any
     ) -> None:
         backend = subject.backend
         baseline = long_rows.generate(pad_prompts(PROMPTS, "left"), greedy=True)
@@ -78,7 +81,7 @@ class InFlightUpdateChecks:
         assert changed, "no row's tokens changed after the update"
 
     def test_an_abort_update_midway_returns_the_rows_so_far_marked_cut_short(
-        self, subject: ConformanceSubject, long_rows: Any, weights: Any
+        self, subject: ConformanceSubject, long_rows: GenerationInterface, weights: Any
     ) -> None:
         backend = subject.backend
         baseline = long_rows.generate(pad_prompts(PROMPTS, "left"), greedy=True)
@@ -99,8 +102,50 @@ class InFlightUpdateChecks:
         assert resumed["weight_version"].tolist() == [new] == [backend.weight_version]
         assert int(resumed["generation_lengths"][0]) == 4
 
+    def test_an_update_dropped_after_a_write_cuts_the_rows_it_paused(
+        self, subject: ConformanceSubject, long_rows: GenerationInterface, weights: Any
+    ) -> None:
+        """``keep`` update, half the new weights written, then an abort: rows it paused end cut
+        short with tokens of the old weights only (never one from the mixed weights), and the
+        backend generates again once a complete update commits."""
+        backend = subject.backend
+        original, new_weights = weights
+        baseline = long_rows.generate(pad_prompts(PROMPTS, "left"), greedy=True)
+        half = dict(list(new_weights.items())[: len(new_weights) // 2])
+
+        def write_half_then_abort() -> int:
+            backend.start_weight_update(in_flight="keep")
+            try:
+                with share_weights(half) as shared:
+                    backend.update_weights_from_ipc_handles(shared.handles)
+            finally:
+                backend.abort_weight_update()
+            return backend.weight_version
+
+        for _attempt in range(3):
+            old = backend.weight_version
+            out, _ = _with_update_midway(backend, long_rows, write_half_then_abort)
+            with pytest.raises(WeightsAbsentError):
+                backend.generate(pad_prompts([[1, 2]], "left"), greedy=True)
+            refit(backend, original)
+            cut = out["cut_short"].tolist()
+            for i in range(len(PROMPTS)):
+                tokens, versions = _generated(out, i), _generated(out, i, "weight_versions")
+                assert tokens == _generated(baseline, i)[: len(tokens)], (
+                    f"row {i} has tokens of the mixed weights: {len(tokens)} tokens, cut={cut[i]}"
+                )
+                assert set(versions) <= {old}, f"row {i}: versions {set(versions)}"
+                assert cut[i] == (len(tokens) < self.long_tokens), f"row {i}: {len(tokens)}"
+            if any(cut):
+                return
+        pytest.fail("the update never landed while the rows ran")
+
     def _midway(
-        self, backend: GenerationInterface, long_rows: Any, weights: Any, mode: InFlight
+        self,
+        backend: GenerationInterface,
+        long_rows: GenerationInterface,
+        weights: Any,
+        mode: InFlight,
     ) -> tuple[BatchedDataDict[Any], int, int]:
         """Generate the long rows with an update in ``mode`` midway, until it lands while some
         row runs; the output, the version before the update and the one it committed."""
@@ -122,7 +167,7 @@ class InFlightUpdateChecks:
 
 
 def _with_update_midway(
-    backend: Any, long_rows: Any, update: Callable[[], int]
+    backend: GenerationInterface, long_rows: GenerationInterface, update: Callable[[], int]
 ) -> tuple[BatchedDataDict[Any], int]:
     result: dict[str, Any] = {}
     worker = threading.Thread(

@@ -40,6 +40,25 @@ class LifecycleProperties(SuiteBase):
         backend.prepare_for_generation()  # idempotent
         self._assert_same(subject, before, backend.generate(batch, greedy=True), "finish, prepare")
 
+    def test_a_row_the_engine_fails_is_an_error_never_a_length_cut_off(
+        self, subject: ConformanceSubject
+    ):
+        """When the engine fails rows, the call raises ``GenerationError`` (not an input error)
+        instead of returning them as truncated; afterwards the backend generates as before."""
+        if subject.fail_rows is None:
+            pytest.skip("the subject offers no way to make its engine fail rows")
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        before = backend.generate(batch, greedy=True)
+        subject.fail_rows(True)
+        try:
+            with pytest.raises(GenerationError) as failed:
+                out = backend.generate(batch, greedy=True)
+                pytest.fail(f"rows the engine failed came back: truncated={out['truncated']}")
+        finally:
+            subject.fail_rows(False)
+        assert not isinstance(failed.value, GenerationInputError)
+        self._assert_same(subject, before, backend.generate(batch, greedy=True), "after failure")
+
     @pytest.mark.parametrize("problem", sorted(BAD_INPUTS))
     def test_bad_input_refused_and_backend_still_usable(
         self, subject: ConformanceSubject, problem: str

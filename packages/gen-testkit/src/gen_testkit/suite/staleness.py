@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from gen_interface import BatchedDataDict, StaleWeightsError
+from gen_interface import BatchedDataDict, GenerationInterface, StaleWeightsError
 from gen_interface.weights import refit
 
 from gen_testkit.strategies import pad_prompts
@@ -196,8 +196,8 @@ class _InThread:
         return value
 
 
-def _view(subject: ConformanceSubject, bound: int | None) -> Any:
-    backend: Any = subject.backend  # with_sampling: every backend here has it
+def _view(subject: ConformanceSubject, bound: int | None) -> GenerationInterface:
+    backend = subject.backend
     return backend.with_sampling(max_new_tokens=3, max_weight_staleness=bound)
 
 
