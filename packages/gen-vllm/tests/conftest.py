@@ -76,3 +76,33 @@ def engines(ray_session):
     cache = EngineCache()
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="session")
+def fake_engine_shipped(ray_session):
+    """Worker processes cannot import the tests directory: Ray sends the fake's code along."""
+    import fake_vllm_engine
+
+    ray_session.cloudpickle.register_pickle_by_value(fake_vllm_engine)
+    yield ray_session
+    ray_session.cloudpickle.unregister_pickle_by_value(fake_vllm_engine)
+
+
+@pytest.fixture(scope="module")
+def shared(fake_engine_shipped, tmp_path_factory):
+    """Fake backends kept for the module: those no test breaks or shuts down."""
+    from fake_backends import FakeBackends
+
+    made = FakeBackends(fake_engine_shipped, tmp_path_factory.mktemp("fake_engine_events"))
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def own(fake_engine_shipped, tmp_path):
+    """Fake backends of one test: those it breaks, hangs or shuts down."""
+    from fake_backends import FakeBackends
+
+    made = FakeBackends(fake_engine_shipped, tmp_path)
+    yield made
+    made.close()

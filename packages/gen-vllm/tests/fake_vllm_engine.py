@@ -16,8 +16,16 @@ It plugs into the real ``VllmGenerationWorker`` / ``ReplicaSet`` / ``VllmGenerat
 ``engine_factory=FakeEngineFactory(...)``); tokens come from the tiny model's real forward pass,
 so outputs change with the weights exactly as a real engine's would.
 
-Faults for failure tests: ``hang_in`` (method names that never return), and
-``arm_corrupt_load`` (the next engine to load an update keeps one rank's shard wrong).
+- **CPU weight packing**: one weight of every rank is "packed" as vLLM's CPU linear layers
+  pack theirs: its parameter is emptied and only the layer's ``cpu_linear`` computes with it, so
+  parameter checksums cannot see it.
+
+Faults for failure tests: ``hang_in`` (method names that never return); ``arm_corrupt_load``
+(the next engine to load an update keeps one rank's shard wrong, a plain or the packed one);
+``set_fault(log_dir, "rows")`` (every step ends its requests with vLLM's ``"error"`` finish
+reason) and ``set_fault(log_dir, "step")`` (every step raises, as a failing kernel would);
+``batch_variant`` (each request's logits shift in the last bits with the number of requests
+running beside it, as GPU kernels' results shift with batch shape).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gen_interface.row_sampling import RowSampling
 from gen_interface.sampling import select_next_tokens
 from gen_interface.weights.collective import CollectiveEndpoint, join_weight_group
 from gen_vllm.engine import EngineLimits, StepOutput
@@ -55,9 +64,11 @@ class FakeEngineFactory:
         log_dir: str | os.PathLike[str],
         *,
         hang_in: frozenset[str] = frozenset(),
+        batch_variant: bool = False,
     ):
         self.log_dir = str(log_dir)
         self.hang_in = frozenset(hang_in)
+        self.batch_variant = batch_variant
 
     def __call__(self, model: str, engine_args: dict[str, Any]) -> FakeEngine:
         return FakeEngine(model, engine_args, self)
@@ -66,10 +77,19 @@ class FakeEngineFactory:
 _ARMED = "corrupt.armed"
 
 
-def arm_corrupt_load(log_dir: str | os.PathLike[str]) -> None:
+def arm_corrupt_load(log_dir: str | os.PathLike[str], *, packed: bool = False) -> None:
     """From now on, the first engine logging to ``log_dir`` to load an update writes a wrong shard
-    on its last rank (once, across processes)."""
-    (Path(log_dir) / _ARMED).touch()
+    on its last rank (once, across processes): the packed weight's when ``packed``."""
+    (Path(log_dir) / _ARMED).write_text("packed" if packed else "plain")
+
+
+def set_fault(log_dir: str | os.PathLike[str], fault: str, on: bool = True) -> None:
+    """Turn a fault of every engine logging to ``log_dir`` on or off: ``"rows"`` or ``"step"``."""
+    flag = Path(log_dir) / f"fault.{fault}"
+    if on:
+        flag.touch()
+    else:
+        flag.unlink(missing_ok=True)
 
 
 def read_events(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -123,12 +143,18 @@ class FakeEngine:
         if self.paused or not self._requests:
             return []
         self._check_mapped("step")
+        if self._fault("step"):
+            raise RuntimeError("a kernel failed (the fake engine's step fault is set)")
         model = self._current_model()
         outputs = []
+        shift = len(self._requests) - 1 if self._factory.batch_variant else 0
         with torch.inference_mode():
             for request_id, request in list(self._requests.items()):
-                outputs.append(request.advance(request_id, model, self.processed))
-                if outputs[-1].finish_reason is not None:
+                output = request.advance(request_id, model, self.processed, shift)
+                if self._fault("rows"):
+                    output = StepOutput(request_id, output.token_ids, output.logprobs, "error")
+                outputs.append(output)
+                if output.finish_reason is not None:
                     del self._requests[request_id]
         return outputs
 
@@ -145,9 +171,9 @@ class FakeEngine:
         if method == "update_weights":
             self._maybe_hang("update")
             self._log("update", mapped=[r.weights_mapped for r in self.ranks])
-            armed = (Path(self._factory.log_dir) / _ARMED).exists()
-            if armed and self._claim("corrupt"):
-                self.ranks[-1].corrupt_next_load = True
+            armed = Path(self._factory.log_dir) / _ARMED
+            if armed.exists() and self._claim("corrupt"):
+                self.ranks[-1].corrupt_next_load = armed.read_text()
         return [getattr(rank, method)(*args) for rank in self.ranks]
 
     def reset_prefix_cache(self) -> bool:
@@ -202,6 +228,9 @@ class FakeEngine:
             self._loaded_version = version
         return self._model
 
+    def _fault(self, name: str) -> bool:
+        return (Path(self._factory.log_dir) / f"fault.{name}").exists()
+
     def _check_mapped(self, what: str) -> None:
         if not self.kv_mapped or not all(rank.weights_mapped for rank in self.ranks):
             raise RuntimeError(
@@ -243,7 +272,9 @@ class FakeRank(UpdatableVllmInternalWorker):
         self.shards = {n: self._shard(n, t).clone() for n, t in checkpoint.items()}
         self.model_runner = _FakeModelRunner(self)
         self.weights_mapped = True
-        self.corrupt_next_load = False
+        #: The name of the weight CPU packing would hide from parameter checksums.
+        self.packed = sorted(n for n, t in checkpoint.items() if t.dim() == 2)[-1]
+        self.corrupt_next_load: str | None = None  # "plain" or "packed": corrupt the next load
         self._updating = False
         self.weight_transfer_engine = types.SimpleNamespace(received=[], group=None)
         self.version = 0
@@ -293,8 +324,9 @@ class FakeRank(UpdatableVllmInternalWorker):
             if name in self.shards:
                 self.shards[name].copy_(self._shard(name, tensor))
         if self.corrupt_next_load:  # a load that went wrong on this rank only
-            self.corrupt_next_load = False
-            self.shards[sorted(self.shards)[0]].add_(1.0)
+            name = self.packed if self.corrupt_next_load == "packed" else sorted(self.shards)[0]
+            self.shards[name].add_(1.0)
+            self.corrupt_next_load = None
         self.version += 1
 
     def sleep(self, level: int) -> None:
@@ -328,8 +360,22 @@ class _FakeModelRunner:
     def get_model(self) -> torch.nn.Module:
         module = torch.nn.Module()
         for name, shard in self._rank.shards.items():
-            module.register_buffer(name.replace(".", "__"), shard)
+            if name != self._rank.packed:
+                module.register_buffer(name.replace(".", "__"), shard)
+        module.add_module("packed", _PackedLinear(self._rank.shards[self._rank.packed]))
         return module
+
+
+class _PackedLinear(torch.nn.Module):
+    """A linear layer as vLLM's CPU build leaves it: the weight parameter emptied, the values
+    only reachable through ``cpu_linear`` (here a plain matmul over the live shard)."""
+
+    def __init__(self, shard: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=shard.dtype), requires_grad=False)
+        self.input_size_per_partition = shard.shape[1]
+        self.params_dtype = shard.dtype
+        self.cpu_linear = lambda x, weight, bias: x @ shard.T
 
 
 class _Request:
@@ -343,21 +389,20 @@ class _Request:
         seed = params.get("seed")
         self.generator = torch.Generator().manual_seed(seed if seed is not None else 0)
 
-    def advance(self, request_id: str, model: torch.nn.Module, processed: bool) -> StepOutput:
+    def advance(
+        self, request_id: str, model: torch.nn.Module, processed: bool, shift: int = 0
+    ) -> StepOutput:
+        """One token; ``shift`` requests beside it move its logits in the last bits."""
         logits = model(input_ids=torch.tensor([self.sequence])).logits[0].float()
+        logits = logits * (1 + 1e-6 * shift) if shift else logits
         prompt_logprobs = None
         if self.params.get("prompt_logprobs") is not None and self.generated == 0:
             scores = logits[:-1].log_softmax(-1)
             targets = torch.tensor(self.sequence[1:])
             prompt_logprobs = scores.gather(1, targets[:, None]).squeeze(1).tolist()
-        temperature = float(self.params.get("temperature", 1.0))
-        top_k = self.params.get("top_k") or None
         tokens, logprobs = select_next_tokens(
             logits[-1:],
-            greedy=temperature == 0.0,
-            temperature=temperature or 1.0,
-            top_k=top_k if top_k and top_k > 0 else None,
-            top_p=float(self.params.get("top_p", 1.0)),
+            [_row_sampling(self.params)],
             processed=processed,
             generators=[self.generator],
         )
@@ -370,6 +415,20 @@ class _Request:
         elif self.generated >= int(self.params["max_tokens"]):
             reason = "length"
         return StepOutput(request_id, [token], [float(logprobs[0])], reason, prompt_logprobs)
+
+
+def _row_sampling(params: dict[str, Any]) -> RowSampling:
+    """The ``RowSampling`` behind a request's ``SamplingParams`` arguments."""
+    top_k = params.get("top_k") or None
+    return RowSampling(
+        max_new_tokens=int(params["max_tokens"]),
+        temperature=float(params.get("temperature", 1.0)),
+        top_k=top_k if top_k and top_k > 0 else None,
+        top_p=float(params.get("top_p", 1.0)),
+        stop_token_ids=tuple(params.get("stop_token_ids", ())),
+        stop_strings=(),
+        seed=int(params.get("seed") or 0),
+    )
 
 
 def _placement_group_id() -> str:

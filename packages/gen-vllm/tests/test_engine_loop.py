@@ -1,5 +1,6 @@
-"""``EngineLoop`` on a stub engine: a row given up while its command waits in the queue leaves
-the engine thread running and the engine empty."""
+"""``EngineLoop`` on stub engines: a row given up while its command waits in the queue leaves
+the engine thread running and the engine empty; a row vLLM ends for an error fails, and a
+failed step makes every later row say the engine is unusable."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import threading
 import time
 
 import pytest
+from gen_interface import BackendBrokenError, GenerationError
 from gen_vllm.engine import EngineLimits, StepOutput
-from gen_vllm.engine_loop import EngineLoop
+from gen_vllm.engine_loop import EngineFailedError, EngineLoop
 from gen_vllm.messages import RowRequest
 
 
@@ -74,3 +76,43 @@ def test_a_row_given_up_while_running_is_aborted_in_the_engine(loop):
     asyncio.run(give_up_on_a_running_row())
     assert loop.submit(lambda: "alive").result(timeout=5) == "alive"
     assert loop.in_flight == 0 and engine.rows == set()
+
+
+class ScriptedEngine(StubEngine):
+    """Finishes every row at its first step for ``reason``; ``explode`` makes steps raise."""
+
+    reason = "stop"
+    explode = False
+
+    def step(self) -> list[StepOutput]:
+        if self.explode:
+            raise RuntimeError("a kernel failed")
+        done, self.rows = self.rows, set()
+        return [StepOutput(r, [3], [-0.5], self.reason) for r in sorted(done)]
+
+
+@pytest.fixture
+def scripted():
+    engine_loop = EngineLoop(ScriptedEngine)
+    yield engine_loop
+    engine_loop.close()
+
+
+def test_a_finish_reason_vllm_gives_for_an_error_fails_the_row_not_a_length_cut_off(scripted):
+    """Fails on the main before the shared base: ``"error"`` came back as ``"length"``."""
+    scripted.engine.reason = "error"
+    with pytest.raises(GenerationError, match=r"'error'.*failed inside the engine"):
+        asyncio.run(scripted.generate(RowRequest("r1", [1, 2], {})))
+    scripted.engine.reason = "stop"  # the engine itself is fine: the next row runs
+    out = asyncio.run(scripted.generate(RowRequest("r2", [1, 2], {})))
+    assert out.finish_reason == "stop" and out.token_ids == [3]
+
+
+def test_a_failed_step_is_fatal_and_says_so_on_every_later_row(scripted):
+    scripted.engine.explode = True
+    with pytest.raises(EngineFailedError, match="a kernel failed"):
+        asyncio.run(scripted.generate(RowRequest("r1", [1, 2], {})))
+    scripted.engine.explode = False
+    with pytest.raises(EngineFailedError, match="unusable: an engine step failed"):
+        asyncio.run(scripted.generate(RowRequest("r2", [1, 2], {})))
+    assert isinstance(EngineFailedError("x"), BackendBrokenError)

@@ -12,96 +12,14 @@ import shutil
 import time
 from pathlib import Path
 
-import fake_vllm_engine
 import pytest
 import torch
-from fake_vllm_engine import FakeEngineFactory, arm_corrupt_load, read_events
+from fake_vllm_engine import arm_corrupt_load
 from gen_interface import BackendUnavailableError, GenerationError, WeightUpdateError
 from gen_interface.weights import refit, share_weights
-from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
 
 PROMPTS = [[5, 17, 42, 8], [99], [7, 7, 7], [300, 12, 1]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ship_the_fake_by_value(ray_session):
-    """Worker processes cannot import the tests directory: Ray sends the fake's code along."""
-    ray_session.cloudpickle.register_pickle_by_value(fake_vllm_engine)
-    yield
-    ray_session.cloudpickle.unregister_pickle_by_value(fake_vllm_engine)
-
-
-class FakeBackends:
-    """Builds GPU clusters (logical GPUs) and fake-engine backends logging to ``log_dir``, and
-    shuts them all down on ``close``."""
-
-    def __init__(self, ray_session, log_dir: Path):
-        self.gpus = int(ray_session.cluster_resources().get("GPU", 0))
-        self.log_dir = log_dir
-        self._made: list = []
-
-    def cluster(self, bundles, **kwargs):
-        from gen_vllm import RayVirtualCluster
-
-        if sum(bundles) > self.gpus:
-            pytest.skip(f"needs {sum(bundles)} (logical) GPUs in Ray, it has {self.gpus}")
-        cluster = RayVirtualCluster(bundles, use_gpus=True, num_cpus_per_bundle=1, **kwargs)
-        self._made.append(cluster)
-        return cluster
-
-    def backend(self, cluster, model, *, colocated=False, name_prefix="fake", faults=None, **cfg):
-        from gen_vllm import VllmGeneration
-
-        config = conformance_config(
-            backend="vllm",
-            model_name=str(model if isinstance(model, (str, Path)) else model.path),
-            vocab_size=512,
-            colocated={"enabled": colocated},
-            vllm_cfg=cfg,
-        )
-        backend = VllmGeneration(
-            cluster,
-            config,
-            name_prefix,
-            engine_factory=FakeEngineFactory(self.log_dir, **(faults or {})),
-        )
-        self._made.insert(0, backend)  # backends close before their clusters
-        return backend
-
-    def events(self, backend, since: int = 0):
-        """``(event, level, tags)`` of the sleep, wake-up and update events of ``backend``'s first
-        engine, from its ``since``-th event on."""
-        mine = [e for e in read_events(self.log_dir) if e["pid"] == _pid_of(backend)]
-        return [
-            (e["event"], e.get("level"), e.get("tags"))
-            for e in mine[since:]
-            if e["event"] in ("sleep", "wake_up", "update")
-        ]
-
-    def event_count(self, backend) -> int:
-        return sum(e["pid"] == _pid_of(backend) for e in read_events(self.log_dir))
-
-    def close(self):
-        for made in self._made:
-            made.shutdown()
-        self._made.clear()
-
-
-@pytest.fixture(scope="module")
-def shared(ray_session, tmp_path_factory):
-    """Fake backends kept for the module: those no test breaks or shuts down."""
-    made = FakeBackends(ray_session, tmp_path_factory.mktemp("fake_engine_events"))
-    yield made
-    made.close()
-
-
-@pytest.fixture
-def own(ray_session, tmp_path):
-    """Fake backends of one test: those it breaks, hangs or shuts down."""
-    made = FakeBackends(ray_session, tmp_path)
-    yield made
-    made.close()
 
 
 @pytest.fixture(scope="module")
@@ -303,10 +221,6 @@ def test_an_actor_name_clash_is_a_typed_error_and_leaks_no_actor(
         own.backend(colocated.cluster, tiny_qwen2, name_prefix="coloc")  # the same names
     assert set(ray_session.util.list_named_actors()) == named
     assert greedy(colocated).size == len(PROMPTS)  # the backend that holds the names goes on
-
-
-def _pid_of(backend) -> int:
-    return backend.replicas.infos[0]["pid"]
 
 
 def test_a_worker_killed_mid_transaction_breaks_the_backend(own, tiny_qwen2, new_weights):

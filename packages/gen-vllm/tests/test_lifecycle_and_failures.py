@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -81,6 +83,78 @@ def test_shutdown_stops_every_engine_process(own_backend, ray_session):
     assert len(gone) == len(pids)  # the backend's named actors are gone from Ray
     with pytest.raises(GenerationError, match="shut down"):
         own_backend.generate(pad_prompts([[5]], "right"), greedy=True)
+
+
+def test_an_interrupted_generate_takes_its_rows_out_of_the_engines(own_backend):
+    """Fails on the main before the shared base: Ctrl-C in a synchronous ``generate`` returned
+    at once but left its rows running in the engines."""
+    batch = pad_prompts([[5, 6, 7]] * 8, "right")
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        own_backend.generate(batch, greedy=False)  # 8 rows of 200 tokens: seconds on 2 cores
+    deadline = time.monotonic() + 10
+    while own_backend.rows_in_flight() != [0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert own_backend.rows_in_flight() == [0]
+    assert own_backend.with_sampling(max_new_tokens=2).generate(batch, greedy=True).size == 8
+
+
+def test_a_start_vllm_refuses_reports_vllm_s_whole_reason(ray_session, tiny_qwen2):
+    """Fails on the main before the shared base: the reason was cut out of the message ("...")
+    and only the workers' log held it."""
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1)
+    config = conformance_config(
+        backend="vllm",
+        model_name=str(tiny_qwen2.path),
+        vocab_size=tiny_qwen2.vocab_size,
+        vllm_cfg={"max_model_len": 100_000, "cpu_kv_cache_gib": 0.25},
+    )
+    try:
+        with pytest.raises(
+            BackendUnavailableError,
+            match=r"(?s)failed to start: .*max_model_len \(100000\) is greater",
+        ):
+            VllmGeneration(cluster, config)
+    finally:
+        cluster.shutdown()
+
+
+_LOOPBACK_CHECK = """
+import os, psutil
+from gen_vllm import RayVirtualCluster
+
+cluster = RayVirtualCluster([1], use_gpus=False)
+# this driver, and the GCS, raylet and workers its Ray started
+mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+listening = {
+    (c.laddr.ip, psutil.Process(c.pid).name())
+    for c in psutil.net_connections("tcp")
+    if c.status == psutil.CONN_LISTEN and c.pid in mine
+}
+cluster.shutdown()
+print(sorted(listening))
+assert listening, "no Ray process was seen listening"
+outside = sorted(x for x in listening if x[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"))
+assert not outside, f"listening beyond loopback: {outside}"
+"""
+
+
+def test_a_ray_the_backend_starts_for_itself_listens_on_loopback_only():
+    """Fails on the main before the shared base: the GCS, the raylet and the driver of a private
+    Ray listened on every interface. Run in a process of its own: the session's Ray is joined,
+    not started."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOOPBACK_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def test_an_engine_that_cannot_start_is_reported(ray_session, tmp_path):

@@ -1,4 +1,5 @@
-"""Weight updates through IPC handles on every replica, checked by checksums and a probe."""
+"""Weight updates through IPC handles on every replica, checked by checksums of what every
+replica received, holds and computes with its packed layers."""
 
 import pytest
 import torch
@@ -28,8 +29,8 @@ def test_an_update_reaches_every_replica_and_updating_back_restores(
     finished = []
     real_finish = backend.replicas.finish_weight_update
 
-    def spy(version):
-        finished.append(real_finish(version))
+    def spy():
+        finished.append(real_finish())
         return finished[-1]
 
     monkeypatch.setattr(backend.replicas, "finish_weight_update", spy)
@@ -39,6 +40,10 @@ def test_an_update_reaches_every_replica_and_updating_back_restores(
     assert len(reports) == backend.num_replicas == 2
     assert len({r["received_checksum"] for r in reports}) == 1
     assert len({r["model_checksum"] for r in reports}) == 1
+    # vLLM's CPU linear layers keep their weights packed, outside every parameter: what they
+    # compute on a fixed input is compared instead, exactly, between replicas on equal kernels
+    assert reports[0]["packed_checksum"] is not None
+    assert len({(r["kernel"], r["packed_checksum"]) for r in reports}) == 1
     assert len({r["device_id"] for r in reports}) == 2  # two distinct worker processes
     changed = _greedy(backend)
     assert not torch.equal(changed["output_ids"], before["output_ids"])

@@ -9,6 +9,9 @@ caller's loop as it arrives.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
@@ -17,6 +20,11 @@ __all__ = ["BackgroundLoop"]
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
+#: How long cancelled work may take to clean up (abort its rows) before giving up on it.
+_GRACE_S = 10.0
+
 _DONE = object()
 
 
@@ -24,13 +32,25 @@ class BackgroundLoop:
     """An event loop running on its own thread until ``close()``."""
 
     def __init__(self, name: str = "gen-vllm-driver"):
+        self._closing = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on this loop and wait for its result (or its exception)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        """Run ``coroutine`` on this loop and wait for its result (or its exception).
+
+        If the wait itself is interrupted (``KeyboardInterrupt`` in the calling thread), the
+        coroutine is cancelled, so its clean-up (aborting its rows) runs before this raises.
+        """
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                future.cancel()
+                concurrent.futures.wait([future], timeout=_GRACE_S)
+            raise
 
     async def stream(self, make: Callable[[], AsyncGenerator[T, None]]) -> AsyncIterator[T]:
         """Iterate, on the caller's loop, an async iterator that runs on this loop.
@@ -67,13 +87,35 @@ class BackgroundLoop:
                 task.cancel()
                 await asyncio.wrap_future(_swallow(task))
 
-    def close(self) -> None:
-        """Stop the loop and join its thread. Idempotent."""
-        if self._loop.is_closed():
+    def close(self, timeout_s: float = _GRACE_S) -> None:
+        """Cancel every task still on the loop, give them ``timeout_s`` to clean up, stop the
+        loop and join its thread. Idempotent; never waits longer than about twice
+        ``timeout_s``. A thread that does not stop in time is left to exit with the process
+        (it is a daemon), and the loop is not closed under it."""
+        if self._closing:
             return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._closing = True
+        if self._thread.is_alive():
+            drained = asyncio.run_coroutine_threadsafe(_cancel_tasks(timeout_s), self._loop)
+            with contextlib.suppress(Exception):
+                drained.result(timeout=timeout_s + 1)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            logger.warning(
+                "the driver's event loop did not stop within %.0f s; leaving it", timeout_s
+            )
+            return
         self._loop.close()
+
+
+async def _cancel_tasks(timeout_s: float) -> None:
+    """Cancel every other task of the running loop and wait up to ``timeout_s`` for them."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
 
 
 class _Raised:
@@ -83,8 +125,6 @@ class _Raised:
 
 def _swallow(future: Any) -> Any:
     """A future that settles when ``future`` does, never raising its cancellation."""
-    import concurrent.futures
-
     settled: concurrent.futures.Future[None] = concurrent.futures.Future()
     future.add_done_callback(lambda _: settled.set_result(None))
     return settled

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +53,8 @@ class RayVirtualCluster:
         name: a prefix for the placement groups' names.
         address: a Ray cluster to join (``"auto"``, ``"ray://host:port"``); default: the running
             one, or ``RAY_ADDRESS``, or a new local Ray, which the last cluster using it stops at
-            its ``shutdown()``.
+            its ``shutdown()``. A Ray started here listens on the loopback interface only;
+            a joined one keeps its own addresses.
 
     Raises:
         BackendUnavailableError: Ray cannot start or join, or the resources are not there.
@@ -96,7 +99,8 @@ class RayVirtualCluster:
                 if address:
                     ray.init(address=address, log_to_driver=True)
                 else:
-                    ray.init(include_dashboard=False, log_to_driver=True)
+                    with _on_loopback():
+                        ray.init(include_dashboard=False, log_to_driver=True)
                     RayVirtualCluster._own_ray = True
             except Exception as exc:  # Ray raises many types; all mean "no cluster"
                 raise BackendUnavailableError(f"could not start or join Ray: {exc}") from exc
@@ -235,6 +239,22 @@ class RayVirtualCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def _on_loopback() -> Iterator[None]:
+    """Start a Ray that only this machine can reach: its GCS, raylet and workers bind to the
+    node address Ray picks, which is the loopback one in Ray's single-machine mode (the mode it
+    uses where multi-machine clusters are not supported). Nothing else reaches a Ray that only
+    this process uses."""
+    from ray._private import ray_constants
+
+    multi_machine = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_machine
 
 
 def _node_of(group: PlacementGroup) -> str:

@@ -53,7 +53,9 @@ class StepOutput:
         request_id: the request's id.
         token_ids: tokens generated in this step (usually one).
         logprobs: their log-probabilities.
-        finish_reason: None while the request runs; "stop" or "length" when it ended.
+        finish_reason: None while the request runs; why it ended once it did, as vLLM says it
+            (``"stop"``, ``"length"``, ``"abort"``, or another reason such as ``"error"``,
+            which fails the row).
         prompt_logprobs: for requests that asked for them, the log-probability of prompt token
             t given tokens before it, for t >= 1 (``[len(prompt) - 1]``); reported once.
     """
@@ -162,7 +164,7 @@ class VllmEngine:
                     request_id=request.request_id,
                     token_ids=tokens,
                     logprobs=logprobs,
-                    finish_reason=(completion.finish_reason or "length")
+                    finish_reason=(completion.finish_reason or "unknown")
                     if request.finished
                     else None,
                     prompt_logprobs=prompt_logprobs,

@@ -97,8 +97,19 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             args["distributed_executor_backend"] = "ray"
     else:
         args["kv_cache_memory_bytes"] = int(cfg["cpu_kv_cache_gib"] * _GIB)
+        # Chunked prefill splits a prompt across steps and then rewinds the row's seeded
+        # generator (``Generator.set_offset``), which torch's CPU generators cannot do: the
+        # engine dies once a call brings more prompt tokens than one step schedules. Without
+        # it, vLLM schedules max(max_model_len, its default) tokens per step.
+        args["enable_chunked_prefill"] = False
     passed = config.get("vllm_kwargs") or {}
     check_vllm_kwargs(passed)
+    if not use_gpus and passed.get("enable_chunked_prefill"):
+        raise GenerationConfigError(
+            "`vllm_kwargs.enable_chunked_prefill` cannot be true on CPU: vLLM rewinds a "
+            "chunked row's seeded generator, which torch's CPU generators cannot do, and the "
+            "engine dies on the first large batch"
+        )
     args.update(passed)
     return args
 

@@ -14,14 +14,19 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast, get_args
 
-from gen_interface import GenerationError
+from gen_interface import BackendBrokenError, FinishReason, GenerationError
 
 from gen_vllm.engine import EngineProtocol, StepOutput
-from gen_vllm.messages import FinishReason, RowOutput, RowRequest
+from gen_vllm.messages import RowOutput, RowRequest
 
-__all__ = ["EngineLoop"]
+__all__ = ["EngineFailedError", "EngineLoop"]
+
+
+class EngineFailedError(BackendBrokenError):
+    """An engine step failed: the engine's state is unknown, so it takes no more rows."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +218,11 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("vLLM engine step failed")
-            self._failure = f"an engine step failed: {type(exc).__name__}: {exc}"
-            self._fail_all(self._failure)
+            self._failure = (
+                f"an engine step failed: {type(exc).__name__}: {exc}; the engine's state is "
+                "unknown, so its backend is broken: shut it down and build a new one"
+            )
+            self._fail_all(self._failure, EngineFailedError)
             return
         for step in outputs:
             self._record(step)
@@ -230,8 +238,17 @@ class EngineLoop:
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = step.prompt_logprobs
         if step.finish_reason is not None:
-            out.finish_reason = _reason(step.finish_reason)
             del self._pending[step.request_id]
+            if step.finish_reason not in get_args(FinishReason):
+                _fail(
+                    pending.future,
+                    GenerationError(
+                        f"vLLM ended request {step.request_id} for {step.finish_reason!r} after "
+                        f"{len(out.token_ids)} tokens: the row failed inside the engine"
+                    ),
+                )
+                return
+            out.finish_reason = cast(FinishReason, step.finish_reason)
             self._finish(pending)
 
     def _abort(self, request_ids: list[str], *, report: bool) -> None:
@@ -250,20 +267,14 @@ class EngineLoop:
         out.weight_version = out.weight_versions[0] if out.weight_versions else self._version
         _resolve(pending.future, out)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, error: type[GenerationError] = GenerationError) -> None:
         pending, self._pending = self._pending, {}
         for item in pending.values():
-            _fail(item.future, GenerationError(f"vLLM engine: {reason}"))
+            _fail(item.future, error(f"vLLM engine: {reason}"))
 
     def _check_usable(self) -> None:
         if self._failure is not None:
-            raise GenerationError(f"this vLLM engine is unusable: {self._failure}")
-
-
-def _reason(finish_reason: str) -> FinishReason:
-    if finish_reason in ("stop", "length", "abort"):
-        return finish_reason  # type: ignore[return-value]
-    return "length"
+            raise EngineFailedError(f"this vLLM engine is unusable: {self._failure}")
 
 
 def _resolve(future: asyncio.Future[RowOutput], value: RowOutput) -> None:

@@ -13,6 +13,7 @@ This module imports no vLLM, so test fakes can run it without the engine.
 from __future__ import annotations
 
 import os
+import platform
 import socket
 from typing import Any
 
@@ -63,17 +64,20 @@ class UpdatableVllmInternalWorker:
         tensor parallelism), so rank r of every replica must agree.
         """
         received = getattr(self.weight_transfer_engine, "received", [])
+        model = self.model_runner.get_model()
         return UpdateReport(
             rank=int(self.rank),
             device_id=self.report_device_id(),
             received_checksum=combine_checksums(received),
             model_checksum=self.model_checksum(),
+            packed_checksum=packed_layers_checksum(model),
+            kernel=kernel_description() if self.device.type == "cpu" else "",
         )
 
     def model_checksum(self) -> int:
         """Checksum of the model's non-empty parameters and buffers as loaded (after packing;
-        CPU linear layers keep their packed weights outside any parameter, which the driver's
-        probe covers)."""
+        CPU linear layers keep their packed weights outside any parameter, which
+        ``packed_layers_checksum`` covers)."""
         model = self.model_runner.get_model()
         named = [
             (name, tensor)
@@ -81,3 +85,43 @@ class UpdatableVllmInternalWorker:
             if tensor.numel()
         ]
         return weights_checksum(named)
+
+
+#: Rows of the fixed input every packed layer computes on for ``packed_layers_checksum``.
+_FINGERPRINT_ROWS = 4
+
+
+def packed_layers_checksum(model: torch.nn.Module) -> int | None:
+    """Checksum of what every packed layer computes on a fixed input; None when none is packed.
+
+    A packed layer is one whose ``weight`` was emptied after its values moved into a kernel's
+    own buffer (vLLM's CPU linear layers: ``cpu_linear`` over oneDNN or SGL packed weights), so
+    no parameter checksum can see them. Its output on a fixed input is exact and repeatable for
+    one kernel, machine and thread count, so equal weights give equal checksums there.
+    """
+    results = []
+    for name, layer in model.named_modules():
+        weight = getattr(layer, "weight", None)
+        compute = getattr(layer, "cpu_linear", None)
+        width = getattr(layer, "input_size_per_partition", None)
+        if compute is None or not isinstance(weight, torch.Tensor) or weight.numel() or not width:
+            continue
+        dtype = getattr(layer, "params_dtype", weight.dtype)
+        generator = torch.Generator().manual_seed(0)
+        probe = torch.randn(_FINGERPRINT_ROWS, int(width), generator=generator).to(dtype)
+        with torch.inference_mode():
+            results.append((name, compute(probe, weight, None)))
+    return weights_checksum(results) if results else None
+
+
+def kernel_description() -> str:
+    """What a CPU kernel's exact results depend on: the CPU model and the thread count."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = "/proc/cpuinfo"
+    if os.path.exists(cpuinfo):
+        with open(cpuinfo) as info:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                model,
+            )
+    return f"{model}, {torch.get_num_threads()} threads"

@@ -6,13 +6,11 @@ Only ints, floats, strings, lists and dicts, so nothing depends on pickling vLLM
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
-__all__ = ["FinishReason", "RowOutput", "RowRequest", "UpdateReport", "WorkerInfo"]
+from gen_interface import FinishReason
 
-#: Why a row ended: a stop token or string, the length limit, or cut short by the caller or by
-#: a weight update in ``abort`` mode (the tokens so far are kept).
-FinishReason = Literal["stop", "length", "abort"]
+__all__ = ["RowOutput", "RowRequest", "UpdateReport", "WorkerInfo"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class RowOutput:
     Attributes:
         token_ids: the generated tokens.  # [g]
         logprobs: the log-probability of each, in the engine's logprobs mode.  # [g]
-        finish_reason: why the row ended.
+        finish_reason: why the row ended (``gen_interface.FinishReason``); None until it ends.
         weight_versions: the weight version that produced each token.  # [g]
         prompt_logprobs: for scoring requests, the raw log-probability of each prompt token
             after the first given the tokens before it.  # [p - 1]
@@ -45,7 +43,7 @@ class RowOutput:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: FinishReason = "length"
+    finish_reason: FinishReason | None = None
     weight_versions: list[int] = field(default_factory=list)
     weight_version: int = 0  # the version the row started on
     prompt_logprobs: list[float] | None = None
@@ -72,3 +70,7 @@ class UpdateReport(TypedDict):
     device_id: str
     received_checksum: int  # of the buckets read (the same on every rank reading one kind of copy)
     model_checksum: int  # of this rank's parameters after loading (its own shard)
+    # of what this rank's packed layers compute on a fixed input (CPU: weights that no parameter
+    # holds after packing); None when no layer is packed (GPU)
+    packed_checksum: int | None
+    kernel: str  # what the packed results depend on: CPU model and thread count ("" on GPU)

@@ -1,23 +1,31 @@
 """Driver side of a weight update: did every worker take the same weights?
 
-Each tensor-parallel rank reports the checksum of what it received (the full tensors, the same on
-every rank of every replica) and of its parameters after loading (its own shard, so rank r of
-one replica is compared with rank r of the others, never with another rank).
+Each tensor-parallel rank reports, while its engine is still paused:
+
+- ``received_checksum``: of what it received (the full tensors, the same on every rank of every
+  replica);
+- ``model_checksum``: of its parameters after loading (its own shard, so rank r of one replica
+  is compared with rank r of the others, never with another rank);
+- ``packed_checksum``: of what its packed layers compute on a fixed input, for the weights the
+  parameters no longer hold (vLLM's CPU linear layers move theirs into oneDNN or SGL buffers).
+  A kernel's exact output depends on the machine and thread count, so only ranks that report
+  the same ``kernel`` (CPU model, threads) are compared; GPU ranks report none.
+
+Every comparison is exact: the values are computed in isolation, not beside running rows.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
-from gen_interface import GenerationError, WeightUpdateError
+from gen_interface import GenerationError, MixedWeightsError, WeightUpdateError
 
 from gen_vllm.messages import UpdateReport
 
 __all__ = ["MixedWeightsError", "verify_update"]
 
-
-class MixedWeightsError(WeightUpdateError):
-    """Replicas or ranks hold different weights after an update: the backend cannot be trusted."""
+logger = logging.getLogger(__name__)
 
 
 def verify_update(outcomes: Sequence[list[UpdateReport] | GenerationError]) -> list[UpdateReport]:
@@ -56,10 +64,32 @@ def verify_update(outcomes: Sequence[list[UpdateReport] | GenerationError]) -> l
             "did not reach every worker intact"
         )
     for rank in range(ranks.pop()):
-        loaded = {replica[rank]["model_checksum"] for replica in reports}
-        if len(loaded) > 1:
+        same_rank = [replica[rank] for replica in reports]
+        if len({r["model_checksum"] for r in same_rank}) > 1:
             raise MixedWeightsError(
                 f"tensor-parallel rank {rank} holds different weights on different replicas "
                 "after loading the same update"
             )
+        _check_packed(rank, same_rank)
     return [rank for replica in reports for rank in replica]
+
+
+def _check_packed(rank: int, same_rank: Sequence[UpdateReport]) -> None:
+    """Ranks on the same kind of kernel must compute the same on the fixed input."""
+    by_kernel: dict[str, set[int | None]] = {}
+    for report in same_rank:
+        by_kernel.setdefault(report["kernel"], set()).add(report["packed_checksum"])
+    for kernel, values in by_kernel.items():
+        if len(values) > 1:
+            raise MixedWeightsError(
+                f"tensor-parallel rank {rank}: replicas on the same kernels ({kernel}) compute "
+                "different results with their packed layers after loading the same update: "
+                "their weights differ"
+            )
+    if len(by_kernel) > 1:
+        logger.info(
+            "rank %d: packed layers not compared across %d kinds of CPU or thread count (their "
+            "exact results differ by design); parameters and received bytes were",
+            rank,
+            len(by_kernel),
+        )

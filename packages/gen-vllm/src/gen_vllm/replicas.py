@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gen_interface import BackendUnavailableError, GenerationError, InFlight
+from gen_interface import BackendBrokenError, BackendUnavailableError, GenerationError, InFlight
 from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.cluster import Bundle, RayVirtualCluster
@@ -32,7 +32,7 @@ _PROGRESS_EVERY_S = 15.0
 _SHUTDOWN_GRACE_S = 15.0
 
 
-class WorkerLostError(GenerationError):
+class WorkerLostError(BackendBrokenError):
     """A worker died or stopped answering: its engine's state is unknown from now on."""
 
 
@@ -167,12 +167,17 @@ class ReplicaSet:
         refs = [a.load_weights.remote(info) for a in self.actors]
         return self._outcomes(refs, self.timeouts.update_s, "a weight load")
 
-    def finish_weight_update(
-        self, version: int | None
-    ) -> list[list[UpdateReport] | GenerationError]:
-        """Close the transaction on every replica; each one's rank reports, or its error."""
-        refs = [a.finish_weight_update.remote(version) for a in self.actors]
+    def finish_weight_update(self) -> list[list[UpdateReport] | GenerationError]:
+        """Close the transaction on every replica (engines stay paused); each one's rank
+        reports, or its error."""
+        refs = [a.finish_weight_update.remote() for a in self.actors]
         return self._outcomes(refs, self.timeouts.update_s, "the end of a weight update")
+
+    def end_weight_update(self, version: int | None, *, cut: bool) -> list[GenerationError | None]:
+        """Resume every replica after an update: committed as ``version`` or dropped (None);
+        ``cut`` ends the rows the update paused. Each replica's outcome."""
+        refs = [a.end_weight_update.remote(version, cut) for a in self.actors]
+        return self._outcomes(refs, self.timeouts.update_s, "resuming after a weight update")
 
     def init_collective(self, endpoint: CollectiveEndpoint, ranks_per_replica: int) -> None:
         """Every worker joins the weight group; replica i's ranks start at

@@ -70,14 +70,13 @@ class RowRouter:
                     running[asyncio.ensure_future(_result(ref))] = (index, replica, ref)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    raise GenerationError(
-                        f"generate did not finish within {timeout_s:g} s "
-                        f"({len(waiting) + len(running)} of {len(requests)} rows unfinished; "
-                        "vllm_cfg.generate_timeout_s sets the limit)"
-                    )
+                    raise _timed_out(timeout_s, len(waiting) + len(running), len(requests))
                 if not running:  # every replica is full of other calls' rows
                     async with freed:
-                        await asyncio.wait_for(freed.wait(), remaining)
+                        try:
+                            await asyncio.wait_for(freed.wait(), remaining)
+                        except TimeoutError:
+                            raise _timed_out(timeout_s, len(waiting), len(requests)) from None
                     continue
                 done, _ = await asyncio.wait(
                     running, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
@@ -116,6 +115,13 @@ class RowRouter:
         if self._freed is None:
             self._freed = asyncio.Condition()
         return self._freed
+
+
+def _timed_out(timeout_s: float, unfinished: int, total: int) -> GenerationError:
+    return GenerationError(
+        f"generate did not finish within {timeout_s:g} s ({unfinished} of {total} rows "
+        "unfinished; vllm_cfg.generate_timeout_s sets the limit)"
+    )
 
 
 async def _result(ref: Any) -> RowOutput:

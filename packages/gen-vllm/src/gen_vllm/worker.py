@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from gen_interface import InFlight
+from gen_interface import BackendUnavailableError, InFlight
 from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
@@ -62,8 +62,23 @@ class VllmGenerationWorker:
         if cpu_ids:
             os.sched_setaffinity(0, cpu_ids)
             os.environ["OMP_NUM_THREADS"] = str(len(cpu_ids))
+        self._updating = False  # vLLM's weight-update transaction is open
+        self._info: WorkerInfo | None = None  # set once the engine is up
+        self._start_error = ""
+        try:
+            self._start(model, engine_args, cpu_ids, engine_factory or VllmEngine)
+        except Exception as exc:  # reported by info(), whole: Ray would cut a dead actor's
+            logger.exception("the vLLM engine failed to start")
+            self._start_error = f"{type(exc).__name__}: {exc}"
+
+    def _start(
+        self,
+        model: str,
+        engine_args: dict[str, Any],
+        cpu_ids: list[int] | None,
+        factory: EngineFactory,
+    ) -> None:
         start = time.perf_counter()
-        factory = engine_factory or VllmEngine
         self._loop = EngineLoop(
             lambda: factory(model, engine_args), num_threads=len(cpu_ids) if cpu_ids else None
         )
@@ -82,7 +97,17 @@ class VllmGenerationWorker:
         )
 
     async def info(self) -> WorkerInfo:
-        """Where this replica runs and what its engine can take."""
+        """Where this replica runs and what its engine can take.
+
+        Raises:
+            BackendUnavailableError: the engine failed to start; the message holds vLLM's
+                whole error.
+        """
+        if self._info is None:
+            raise BackendUnavailableError(
+                f"the vLLM engine of {socket.gethostname()} (pid {os.getpid()}) failed to "
+                f"start: {self._start_error}"
+            )
         return self._info
 
     async def rows_in_flight(self) -> int:
@@ -111,8 +136,9 @@ class VllmGenerationWorker:
     # ---- weight updates: vLLM's transaction, with this project's transfer engine -------------
 
     async def start_weight_update(self, in_flight: InFlight = "keep") -> None:
-        """Stop stepping and open vLLM's transaction. Running rows keep their place and go on
-        after the update (``"keep"``), or end now with their tokens so far (``"abort"``)."""
+        """Stop stepping and open vLLM's transaction. Running rows keep their place and wait
+        for ``end_weight_update`` (``"keep"``), or end now with their tokens so far
+        (``"abort"``)."""
 
         def start() -> None:
             if in_flight == "abort":
@@ -125,6 +151,7 @@ class VllmGenerationWorker:
             except BaseException:
                 self._loop.resume()
                 raise
+            self._updating = True
 
         await self._loop.call(start)
 
@@ -132,31 +159,47 @@ class VllmGenerationWorker:
         """One load (shared buckets or a broadcast bucket) into every rank of this engine."""
         await self._loop.call(lambda: self._loop.engine.collective_rpc("update_weights", (info,)))
 
-    async def finish_weight_update(self, version: int | None) -> list[UpdateReport]:
-        """Close vLLM's transaction, label the weights ``version`` (None: an abort, no new
-        label), drop KV computed with the old weights, resume; each rank's report."""
+    async def finish_weight_update(self) -> list[UpdateReport]:
+        """Close vLLM's transaction and return each rank's report. The engine stays paused
+        until ``end_weight_update``: the driver checks the reports of every replica first."""
 
         def finish() -> list[UpdateReport]:
             engine = self._loop.engine
-            try:
-                engine.collective_rpc("finish_weight_update")
-                reports: list[UpdateReport] = engine.collective_rpc("weight_update_report")
-                if version is not None:
-                    self._loop.set_version(version)
-                engine.reset_prefix_cache()
-            finally:
-                self._loop.resume()
-            return reports
+            self._updating = False
+            engine.collective_rpc("finish_weight_update")
+            return engine.collective_rpc("weight_update_report")
 
         return await self._loop.call(finish)
 
+    async def end_weight_update(self, version: int | None, cut: bool) -> None:
+        """Resume after an update: committed as ``version``, or dropped (None). ``cut``: end
+        the rows the update paused, with their tokens so far (it wrote weights that are now
+        part old, part new). vLLM's transaction is closed first if it is still open."""
+
+        def end() -> None:
+            engine = self._loop.engine
+            try:
+                if self._updating:  # dropped before finish_weight_update
+                    self._updating = False
+                    engine.collective_rpc("finish_weight_update")
+                if version is not None:
+                    self._loop.set_version(version)
+                if version is not None or cut:
+                    engine.reset_prefix_cache()  # KV computed with other weights
+            finally:
+                if cut:
+                    cut_rows = self._loop.cut_all()
+                    if cut_rows:
+                        logger.info("a dropped weight update cut %d paused rows short", cut_rows)
+                self._loop.resume()
+
+        await self._loop.call(end)
+
     async def init_collective(self, endpoint: CollectiveEndpoint, rank: int) -> None:
         """Join the trainer's weight group: this engine's tensor-parallel rank r as ``rank + r``."""
-        init = {"init_info": {"endpoint": dict(endpoint), "rank": rank}}
+        init_info = {"endpoint": dict(endpoint), "rank": rank}
         await self._loop.call(
-            lambda: self._loop.engine.collective_rpc(
-                "init_weight_transfer_engine", (init["init_info"],)
-            )
+            lambda: self._loop.engine.collective_rpc("init_weight_transfer_engine", (init_info,))
         )
 
     async def reset_prefix_cache(self) -> bool:
@@ -170,7 +213,8 @@ class VllmGenerationWorker:
 
     async def shutdown(self) -> None:
         """Stop the engine and free its memory; the actor is killed afterwards."""
-        await asyncio.to_thread(self._loop.close)
+        if self._info is not None:
+            await asyncio.to_thread(self._loop.close)
 
 
 def _cores_for(slot: tuple[int, int]) -> list[int]:

@@ -1,0 +1,116 @@
+"""The driver's event loop and the row router, on stubs: waits are bounded, an interrupted wait
+cleans up, and every way of running out of time is the interface's ``GenerationError``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+from gen_interface import GenerationError
+from gen_vllm.background_loop import BackgroundLoop
+from gen_vllm.messages import RowRequest
+from gen_vllm.router import RowRouter
+
+
+@pytest.fixture
+def driver_loop():
+    loop = BackgroundLoop(name="test-driver")
+    yield loop
+    loop.close(timeout_s=1)
+
+
+def test_an_interrupted_wait_cancels_the_work_so_its_clean_up_runs(driver_loop):
+    """Fails on the main before the shared base: Ctrl-C in a synchronous ``generate`` left its
+    coroutine (and the rows it was waiting on) running."""
+    cleaned = threading.Event()
+
+    async def rows_running() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.set()  # where the router aborts its rows
+
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        driver_loop.run(rows_running())
+    assert cleaned.wait(5), "the interrupted call's clean-up never ran"
+
+
+def test_close_is_bounded_even_when_a_task_will_not_stop():
+    """Fails on the main before the shared base: ``close`` stopped the loop without cancelling
+    its tasks, and a join that timed out made ``loop.close()`` raise."""
+    loop = BackgroundLoop(name="test-stubborn")
+    cleaned = threading.Event()
+
+    async def polite() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.set()
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                time.sleep(0.05)  # ignores cancellation, as a stuck call would
+
+    asyncio.run_coroutine_threadsafe(polite(), loop._loop)
+    asyncio.run_coroutine_threadsafe(stubborn(), loop._loop)
+    time.sleep(0.1)
+    started = time.monotonic()
+    loop.close(timeout_s=0.5)
+    assert time.monotonic() - started < 3
+    assert cleaned.is_set(), "a cancellable task was not cancelled"
+    loop.close(timeout_s=0.5)  # idempotent
+
+
+class _NeverDone:
+    """Stands in for ``ReplicaSet``: rows never finish (an engine stuck in a step)."""
+
+    def __init__(self, replicas: int):
+        self.started: list[int] = []
+        self._replicas = replicas
+
+    def __len__(self) -> int:
+        return self._replicas
+
+    def generate(self, replica: int, request: RowRequest) -> asyncio.Future[None]:
+        self.started.append(replica)
+        return asyncio.get_running_loop().create_future()
+
+
+def test_a_call_waiting_for_a_free_replica_times_out_with_a_generation_error():
+    """Fails on the main before the shared base: ``asyncio.wait_for`` raised a bare
+    ``TimeoutError`` when every replica was full of another call's rows."""
+    replicas = _NeverDone(1)
+    router = RowRouter(replicas, capacity=1)  # type: ignore[arg-type]
+
+    async def two_calls() -> None:
+        first = asyncio.ensure_future(_drain(router, "a", 5.0))
+        while not replicas.started:
+            await asyncio.sleep(0.01)
+        try:
+            with pytest.raises(GenerationError, match=r"did not finish within 0\.2 s"):
+                await _drain(router, "b", 0.2)
+        finally:
+            first.cancel()
+
+    asyncio.run(two_calls())
+
+
+def test_a_call_whose_rows_run_too_long_times_out_with_a_generation_error():
+    router = RowRouter(_NeverDone(2), capacity=4)  # type: ignore[arg-type]
+    with pytest.raises(GenerationError, match=r"\(2 of 2 rows unfinished"):
+        asyncio.run(_drain(router, "c", 0.2))
+    assert router.rows == [0, 0], "rows of the timed-out call still count as running"
+
+
+async def _drain(router: RowRouter, call: str, timeout_s: float) -> list[int]:
+    requests = [RowRequest(f"{call}-{i}", [1, 2], {"max_tokens": 4}) for i in range(2)]
+    return [i async for i, _ in router.run(requests, [4, 4], timeout_s)]
