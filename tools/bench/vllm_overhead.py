@@ -1,10 +1,14 @@
 """What the Ray orchestration costs: VllmGeneration against a bare vllm.LLM, side by side.
 
     uv run python tools/bench/vllm_overhead.py [--model DIR] [--batch 32] [--prompt 32] [--new 64]
-        [--startup-only]
+        [--startup-only] [--bare-chunked-prefill] [--greedy]
 
 On one model and one set of inputs, in one run: tokens per second of a bare ``vllm.LLM.generate``
-(in this process, the same engine settings), of ``VllmGeneration`` with one replica, and of
+(in this process, the engine settings VllmGeneration uses on CPU: chunked prefill off, since
+vLLM's rewinding of a chunked row's seeded generator fails on CPU; ``--bare-chunked-prefill``
+gives the bare engine vLLM's default instead, to measure what turning it off costs, which only
+runs while a call's prompt tokens fit one step or with ``--greedy``), of ``VllmGeneration`` with
+one replica, and of
 ``VllmGeneration`` with two replicas, each run alternating with the bare engine's so that load
 from elsewhere falls on both alike. Sampled generation with a seed per row, exactly ``--new``
 tokens per row (no stop tokens), float32.
@@ -75,6 +79,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--startups", type=int, default=2, help="timed start-ups of each kind")
     parser.add_argument("--kv-gib", type=float, default=1.0)
     parser.add_argument(
+        "--bare-chunked-prefill",
+        action="store_true",
+        help="the bare engine with vLLM's default chunked prefill (VllmGeneration turns it off)",
+    )
+    parser.add_argument("--greedy", action="store_true", help="greedy instead of seeded sampling")
+    parser.add_argument(
         "--startup-only", action="store_true", help="time the start-ups only, not throughput"
     )
     return parser.parse_args()
@@ -105,12 +115,13 @@ def bare_run(model: str, prompts: list[list[int]], args: argparse.Namespace) -> 
         enforce_eager=True,
         kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
         seed=0,
+        enable_chunked_prefill=args.bare_chunked_prefill,
     )
     params = [
         SamplingParams(
             max_tokens=args.new,
-            temperature=1.0,
-            seed=i,
+            temperature=0.0 if args.greedy else 1.0,
+            seed=None if args.greedy else i,
             ignore_eos=True,
             logprobs=0,
             detokenize=False,
@@ -154,7 +165,7 @@ def gen_vllm_run(
     def run() -> None:
         backend.finish_generation()  # resets the prefix cache, as the bare run does
         backend.prepare_for_generation()
-        out = backend.generate(batch, greedy=False)
+        out = backend.generate(batch, greedy=args.greedy)
         assert int(out["generation_lengths"].sum()) == len(batch["input_ids"]) * args.new
 
     try:
@@ -216,7 +227,8 @@ def main() -> None:
     tokens = args.batch * args.new
     print(
         f"model {args.model}\nbatch {args.batch}, prompt {args.prompt}, new {args.new}, "
-        f"float32, median of {args.repeats} after a warm-up",
+        f"float32, {'greedy' if args.greedy else 'sampled'}, median of {args.repeats} after a "
+        f"warm-up; bare engine chunked prefill {'on' if args.bare_chunked_prefill else 'off'}",
         flush=True,
     )
     if args.startup_only:
