@@ -11,7 +11,7 @@ import contextlib
 import gen_testkit.ngram.backend as ngram_backend
 import pytest
 import torch
-from gen_interface.sampling import processed_log_probs
+from gen_interface.sampling import TokenChoice, processed_log_probs
 from gen_testkit.ngram import NgramGeneration
 from gen_testkit.parity import (
     NgramLogitsOracle,
@@ -57,7 +57,12 @@ def _replaced_sampling(processed):
             ]
         )
         reported = filtered if processed else logits.float().log_softmax(-1)
-        return tokens, reported.gather(1, tokens[:, None]).squeeze(1)
+        return TokenChoice(
+            tokens,
+            reported.gather(1, tokens[:, None]).squeeze(1),
+            torch.zeros((len(rows), 0), dtype=torch.int64),
+            torch.zeros((len(rows), 0)),
+        )
 
     processed_fn = processed
     ngram_backend.select_next_tokens = select

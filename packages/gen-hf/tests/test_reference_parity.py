@@ -19,7 +19,7 @@ import pytest
 import torch
 from gen_hf import HfConfig, HfGeneration
 from gen_interface import BatchedDataDict
-from gen_interface.sampling import select_next_tokens
+from gen_interface.sampling import TokenChoice, select_next_tokens
 from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
 from transformers import PreTrainedModel
@@ -213,12 +213,10 @@ def test_processed_logprobs_equal_a_hand_computation(
     """
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def recording(
-        logits: torch.Tensor, rows: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, chosen = select_next_tokens(logits, rows, **kwargs)
-        steps.append((logits.detach().cpu().clone(), tokens.cpu(), chosen.cpu()))
-        return tokens, chosen
+    def recording(logits: torch.Tensor, rows: Any, **kwargs: Any) -> TokenChoice:
+        choice = select_next_tokens(logits, rows, **kwargs)
+        steps.append((logits.detach().cpu().clone(), choice.tokens.cpu(), choice.logprobs.cpu()))
+        return choice
 
     monkeypatch.setattr(gen_hf.decode, "select_next_tokens", recording)
     backend = HfGeneration(

@@ -96,3 +96,39 @@ def test_a_bad_wire_form_is_refused_naming_the_column(column, value, match):
     wire[column] = value
     with pytest.raises(GenerationInputError, match=match):
         BatchSampling.from_wire(wire)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("max_new_tokens", torch.tensor([4, 0, 2]), "max_new_tokens row 1 is 0"),
+        ("max_new_tokens", torch.tensor([4.0, 1.0, 2.0]), "integer tensor"),
+        ("temperature", torch.tensor([0.5, -1.0, 1.0]), "temperature row 1"),
+        ("top_p", torch.tensor([0.0, 1.0, 1.0]), r"top_p row 0 is 0; it must be in \(0, 1\]"),
+        ("top_k", torch.tensor([1, -2, 3]), "top_k row 1"),
+        ("min_p", torch.tensor([0.0, 0.2, 1.5]), "min_p row 2"),
+        ("top_logprobs", torch.tensor([1, 2]), r"shape \(3,\)"),
+        ("stop_token_ids", [[1], None], "3 entries"),
+        ("stop_token_ids", [[1], [-1], None], "stop_token_ids row 1"),
+    ],
+)
+def test_per_row_settings_are_checked_naming_the_row(key, value, match):
+    with pytest.raises(GenerationInputError, match=match):
+        _prompts(**{key: value})
+
+
+def test_per_row_settings_replace_the_config_s_for_their_row_only():
+    prompts = _prompts(
+        temperature=torch.tensor([0.0, 0.7, 1.2]),
+        top_k=torch.tensor([-1, 5, 0]),
+        max_new_tokens=torch.tensor([1, 2, 3]),
+        stop_token_ids=[None, [7], []],
+        top_logprobs=torch.tensor([0, 4, 1]),
+    )
+    rows = resolve_sampling({**CONFIG, "top_k": 20}, prompts, greedy=False).rows
+    assert [r.greedy for r in rows] == [True, False, False]
+    assert [r.top_k for r in rows] == [None, 5, None]
+    assert [r.max_new_tokens for r in rows] == [1, 2, 3]
+    assert [r.stop_token_ids for r in rows] == [(2, 9), (7,), ()]
+    assert [r.top_logprobs for r in rows] == [0, 4, 1]
+    assert {r.top_p for r in rows} == {0.9}  # not given per row: the config's

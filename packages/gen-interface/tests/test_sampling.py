@@ -102,19 +102,19 @@ def _rows(count, *, temperature, top_k=None, top_p=1.0, seed=0):
 
 def test_select_next_tokens_greedy_and_sampled():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
-    tokens, lps = select_next_tokens(
+    tokens, lps, *_ = select_next_tokens(
         logits, _rows(2, temperature=0.0), processed=True, generators=[]
     )
     assert tokens.tolist() == [1, 0]
     assert torch.allclose(lps, logits.log_softmax(-1)[[0, 1], [1, 0]])
-    tokens, lps = select_next_tokens(
+    tokens, lps, *_ = select_next_tokens(
         logits,
         _rows(2, temperature=0.5, top_k=1),
         processed=True,
         generators=row_generators([1, 2]),
     )
     assert tokens.tolist() == [1, 0] and lps.tolist() == [0.0, 0.0]
-    tokens, raw = select_next_tokens(
+    tokens, raw, *_ = select_next_tokens(
         logits,
         _rows(2, temperature=0.5, top_k=1),
         processed=False,
@@ -125,10 +125,10 @@ def test_select_next_tokens_greedy_and_sampled():
 
 def test_each_row_draws_from_its_own_generator():
     logits = torch.zeros(1, 1000)
-    alone, _ = select_next_tokens(
+    alone, _, *_ = select_next_tokens(
         logits, _rows(1, temperature=1.0), processed=False, generators=row_generators([5])
     )
-    paired, _ = select_next_tokens(
+    paired, _, *_ = select_next_tokens(
         logits.expand(2, -1),
         _rows(2, temperature=1.0),
         processed=False,
@@ -153,11 +153,11 @@ def test_a_row_with_its_own_settings_gets_what_it_gets_alone(
         RowSampling(8, t, k, p, (), (), 100 + i)
         for i, (t, k, p) in enumerate(zip(temperatures, top_ks, top_ps))
     ]
-    tokens, chosen = select_next_tokens(
+    tokens, chosen, *_ = select_next_tokens(
         logits, rows, processed=processed, generators=row_generators([r.seed for r in rows])
     )
     for i, row in enumerate(rows):
-        token, lp = select_next_tokens(
+        token, lp, *_ = select_next_tokens(
             logits[i : i + 1], [row], processed=processed, generators=row_generators([row.seed])
         )
         assert int(token[0]) == int(tokens[i])

@@ -263,9 +263,9 @@ class EngineErrorAsLength(NgramGeneration):
     """Reads a finish reason it does not know (an engine error) as a length cut-off (gen-vllm
     before the shared base)."""
 
-    def _ended(self, reason, tokens, logprobs, version, versions):
+    def _ended(self, generated, row, reason, now):
         known = reason if reason in ("stop", "length", "abort") else "length"
-        return super()._ended(known, tokens, logprobs, version, versions)
+        return super()._ended(generated, row, known, now)
 
 
 class AsyncDropsARow(NgramGeneration):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from gen_interface.row_sampling import RowSampling
 from gen_interface.sampling import select_next_tokens
+from gen_interface.scoring import scored_row
 from gen_interface.weights.collective import CollectiveEndpoint, join_weight_group
 from gen_vllm.engine import EngineLimits, StepOutput
 from gen_vllm.extension import UpdatableVllmInternalWorker
@@ -395,18 +396,22 @@ class _Request:
         """One token; ``shift`` requests beside it move its logits in the last bits."""
         logits = model(input_ids=torch.tensor([self.sequence])).logits[0].float()
         logits = logits * (1 + 1e-6 * shift) if shift else logits
-        prompt_logprobs = None
+        prompt_logprobs = prompt_top = None
         if self.params.get("prompt_logprobs") is not None and self.generated == 0:
-            scores = logits[:-1].log_softmax(-1)
-            targets = torch.tensor(self.sequence[1:])
-            prompt_logprobs = scores.gather(1, targets[:, None]).squeeze(1).tolist()
-        tokens, logprobs = select_next_tokens(
+            scored = scored_row(
+                logits[:-1].log_softmax(-1),
+                torch.tensor(self.sequence[1:]),
+                int(self.params["prompt_logprobs"]),
+            )
+            prompt_logprobs = scored.logprobs.tolist()
+            prompt_top = (scored.topk_ids.tolist(), scored.topk_logprobs.tolist())
+        choice = select_next_tokens(
             logits[-1:],
             [_row_sampling(self.params)],
             processed=processed,
             generators=[self.generator],
         )
-        token = int(tokens[0])
+        token = int(choice.tokens[0])
         self.sequence.append(token)
         self.generated += 1
         reason = None
@@ -414,7 +419,17 @@ class _Request:
             reason = "stop"
         elif self.generated >= int(self.params["max_tokens"]):
             reason = "length"
-        return StepOutput(request_id, [token], [float(logprobs[0])], reason, prompt_logprobs)
+        top = int(self.params.get("logprobs") or 0)
+        return StepOutput(
+            request_id,
+            [token],
+            [float(choice.logprobs[0])],
+            reason,
+            prompt_logprobs,
+            choice.topk_ids.tolist() if top else None,
+            choice.topk_logprobs.tolist() if top else None,
+            *(prompt_top if prompt_top and prompt_top[0] and prompt_top[0][0] else (None, None)),
+        )
 
 
 def _row_sampling(params: dict[str, Any]) -> RowSampling:
@@ -428,6 +443,8 @@ def _row_sampling(params: dict[str, Any]) -> RowSampling:
         stop_token_ids=tuple(params.get("stop_token_ids", ())),
         stop_strings=(),
         seed=int(params.get("seed") or 0),
+        min_p=float(params.get("min_p", 0.0)),
+        top_logprobs=int(params.get("logprobs") or 0),
     )
 
 

@@ -27,7 +27,7 @@ from gen_interface.decoding import StopRules
 from gen_interface.in_process import InProcessBackend
 from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
 from gen_interface.sampling import row_generators
-from gen_interface.scoring import ScoreBatch
+from gen_interface.scoring import ScoreBatch, ScoredRow
 from gen_interface.stepping import RowControl
 
 from gen_hf.config import HfConfig, complete_hf_config
@@ -134,6 +134,7 @@ class HfGeneration(InProcessBackend):
             sleep=self._offload_on_finish,
             async_generation=True,
             in_flight_updates=True,
+            token_streaming=True,
             weight_transports=frozenset(transports),
             devices=(self._device.type,),
             score=True,
@@ -172,10 +173,14 @@ class HfGeneration(InProcessBackend):
             call=decoding,
         )
 
-    def _score_rows(self, batch: ScoreBatch) -> list[torch.Tensor]:
+    def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
         with self.gate.step(self.gate.enter()):
             return score_sequences(
-                self._model(), batch, device=self._device, max_batch_size=self._max_batch_size
+                self._model(),
+                batch,
+                device=self._device,
+                max_batch_size=self._max_batch_size,
+                top_logprobs=top_logprobs,
             )
 
     # ---- life cycle --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from gen_interface import BatchSampling, GenerationError, RowResult
 from gen_interface.decoding import StopRules
 from gen_interface.sampling import select_next_tokens
-from gen_interface.stepping import RowControl, StepGate
+from gen_interface.stepping import GeneratedRows, RowControl, StepGate
 from transformers import DynamicCache
 
 from gen_hf.cache import drop_leading_columns, new_group_cache
@@ -151,7 +151,8 @@ def decode_rows(
     cache = new_group_cache(loaded.model.config, width + most_new)
     with call.gate.step(call.mark) as ticket:
         if ticket.cut:
-            return [call.finished(r, RowResult([], [], False, cut_short=True)) for r in rows]
+            cut = RowResult.ended("abort", [], [], weight_version=ticket.version)
+            return [call.finished(r, cut) for r in rows]
         logits = _forward(loaded, input_ids, mask[:, :width], positions, cache)
         start_version = version = ticket.version  # of the weights behind ``logits``
     next_position = positions[:, -1] + 1  # [A]
@@ -159,45 +160,33 @@ def decode_rows(
     generator_of = [call.generators[r] for r in rows]
     sampling_of = [call.sampling.rows[r] for r in rows]
 
-    generated: list[list[int]] = [[] for _ in prompts]
-    logprobs: list[list[float]] = [[] for _ in prompts]
-    versions: list[list[int]] = [[] for _ in prompts]
+    generated = GeneratedRows(
+        [row.top_logprobs for row in sampling_of], call_rows=rows, control=call.control
+    )
     results: list[RowResult | None] = [None] * count
 
-    def finish(a: int, *, truncated: bool = False, cut_short: bool = False) -> None:
-        results[a] = call.finished(
-            rows[a],
-            RowResult(
-                generated[a],
-                logprobs[a],
-                truncated,
-                weight_version=start_version,
-                weight_versions=versions[a],
-                cut_short=cut_short,
-            ),
-        )
+    def finish(a: int, reason: str) -> None:
+        results[a] = call.finished(rows[a], generated.ended(a, reason, start_version))
 
     active = list(range(count))  # group-local index of each row still running, batch order
     while True:
-        tokens, chosen = select_next_tokens(
+        choice = select_next_tokens(
             logits,
             [sampling_of[a] for a in active],
             processed=call.sampling.processed,
             generators=[generator_of[a] for a in active],
         )
+        generated.record(active, choice, version)
         keep: list[int] = []
-        for slot, (a, token, logprob) in enumerate(zip(active, tokens.tolist(), chosen.tolist())):
-            generated[a].append(token)
-            logprobs[a].append(logprob)
-            versions[a].append(version)
-            reason = rules.reason(rows[a], lengths[a], generated[a])
+        for slot, a in enumerate(active):
+            reason = rules.reason(rows[a], lengths[a], generated.tokens[a])
             if reason is None:
                 keep.append(slot)
             else:
-                finish(a, truncated=reason == "length")
+                finish(a, reason)
         if not keep:
             break
-        tokens = tokens.to(device)
+        tokens = choice.tokens.to(device)
         if len(keep) < len(active):
             index = torch.tensor(keep, dtype=torch.int64, device=device)
             cache.batch_select_indices(index)
@@ -214,7 +203,7 @@ def decode_rows(
         with call.gate.step(call.mark) as ticket:
             if ticket.cut:
                 for a in active:
-                    finish(a, cut_short=True)
+                    finish(a, "abort")
                 break
             logits = _forward(
                 loaded, tokens[:, None], mask[:, :width], next_position[:, None], cache

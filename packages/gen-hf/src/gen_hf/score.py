@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from gen_interface.scoring import ScoreBatch
+from gen_interface.scoring import ScoreBatch, ScoredRow, scored_row
 
 from gen_hf.decode import forward_errors
 from gen_hf.loading import LoadedModel
@@ -12,9 +12,15 @@ __all__ = ["score_sequences"]
 
 
 def score_sequences(
-    loaded: LoadedModel, batch: ScoreBatch, *, device: torch.device, max_batch_size: int
-) -> list[torch.Tensor]:
-    """Raw ``log_softmax`` of the model's logits at every response token.
+    loaded: LoadedModel,
+    batch: ScoreBatch,
+    *,
+    device: torch.device,
+    max_batch_size: int,
+    top_logprobs: int = 0,
+) -> list[ScoredRow]:
+    """Raw ``log_softmax`` of the model's logits at every response token, and the
+    ``top_logprobs`` likeliest tokens there.
 
     Rows are right-padded and run ``max_batch_size`` at a time; positions start at 0 in every
     row, as in generation.
@@ -26,20 +32,24 @@ def score_sequences(
         max_batch_size: most rows per forward pass.
 
     Returns:
-        Per row i, float32 ``[g_i]`` on the CPU: the log-probability of response token j given
-        everything before it.
+        Per row i, its ``ScoredRow`` on the CPU: the log-probability of response token j given
+        everything before it, and the top-k there.
 
     Raises:
         GenerationError: a forward pass failed (out of memory, a kernel error).
     """
     with torch.inference_mode(), forward_errors():
-        return _score_groups(loaded, batch, device, max_batch_size)
+        return _score_groups(loaded, batch, device, max_batch_size, top_logprobs)
 
 
 def _score_groups(
-    loaded: LoadedModel, batch: ScoreBatch, device: torch.device, max_batch_size: int
-) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
+    loaded: LoadedModel,
+    batch: ScoreBatch,
+    device: torch.device,
+    max_batch_size: int,
+    top_logprobs: int,
+) -> list[ScoredRow]:
+    out: list[ScoredRow] = []
     for start in range(0, len(batch.sequences), max_batch_size):
         group = batch.sequences[start : start + max_batch_size]
         prompt_lengths = batch.prompt_lengths[start : start + max_batch_size]
@@ -54,10 +64,6 @@ def _score_groups(
         ).logits  # [G, width, V]
         for i, sequence in enumerate(group):
             p, total = prompt_lengths[i], len(sequence)
-            if total == p:
-                out.append(torch.zeros(0, dtype=torch.float32))
-                continue
-            targets = ids[i, p:total].to(device)
             rows = logits[i, p - 1 : total - 1].float().log_softmax(dim=-1)  # [g_i, V]
-            out.append(rows.gather(1, targets[:, None]).squeeze(1).cpu())
+            out.append(scored_row(rows, ids[i, p:total], top_logprobs))
     return out

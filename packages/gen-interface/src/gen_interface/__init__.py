@@ -27,6 +27,7 @@ from gen_interface.errors import (
     WeightsAbsentError,
     WeightUpdateError,
 )
+from gen_interface.events import RowEvent
 from gen_interface.in_process import InProcessBackend
 from gen_interface.inputs import PromptBatch, normalize_generation_input
 from gen_interface.interface import (
@@ -86,6 +87,7 @@ __all__ = [
     "LogprobsMode",
     "MixedWeightsError",
     "PromptBatch",
+    "RowEvent",
     "RowResult",
     "RowSampling",
     "ScoreSpec",

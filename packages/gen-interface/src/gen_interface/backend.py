@@ -43,16 +43,18 @@ from gen_interface.errors import (
     GenerationInputError,
     WeightUpdateError,
 )
+from gen_interface.events import RowEvent
 from gen_interface.inputs import PromptBatch, normalize_generation_input
 from gen_interface.interface import GenerationInterface, InFlight
 from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
 from gen_interface.outputs import RowResult, build_generation_output, build_row_output
 from gen_interface.row_sampling import BatchSampling, resolve_sampling
-from gen_interface.scoring import ScoreBatch, normalize_score_input, scatter_response_logprobs
+from gen_interface.scoring import ScoreBatch, ScoredRow, normalize_score_input, scatter_scores
 from gen_interface.specs import (
     GenerationConfig,
     GenerationDatumSpec,
     GenerationOutputSpec,
+    ScoreOutputSpec,
     ScoreSpec,
 )
 from gen_interface.stepping import RowControl
@@ -102,6 +104,7 @@ class GenerationBackend(GenerationInterface):
         optional_weights: names an update may omit (aliases of tied weights).
         weights_absent: why there are no real weights yet (started without reading the
             checkpoint), or None.
+        max_top_logprobs: the most ``top_logprobs`` a row may ask for; None: no limit.
     """
 
     #: The level of the config holding the backend's own settings and its ``load_format``
@@ -118,8 +121,10 @@ class GenerationBackend(GenerationInterface):
         model_specs: TensorSpecs | None,
         optional_weights: Collection[str] = (),
         weights_absent: str | None = None,
+        max_top_logprobs: int | None = None,
     ):
         self.config = config
+        self.max_top_logprobs = max_top_logprobs
         self.vocab_size = vocab_size
         self.context_limit = context_limit
         self.has_tokenizer = has_tokenizer
@@ -193,7 +198,10 @@ class GenerationBackend(GenerationInterface):
             rows = self._run_rows(call, RowControl())
         _check_every_row({i for i, row in enumerate(rows) if row is not None}, call.size)
         return build_generation_output(
-            call.prompts, cast(list[RowResult], list(rows)), self.config["pad_token_id"]
+            call.prompts,
+            cast(list[RowResult], list(rows)),
+            self.config["pad_token_id"],
+            call.sampling.max_top_logprobs,
         )
 
     async def generate_async(
@@ -204,28 +212,80 @@ class GenerationBackend(GenerationInterface):
         call = self._new_call(data, greedy)
         if self._weights is not None:
             await self._weights.admit_async(self.config.get("max_weight_staleness"))
-        pad = self.config["pad_token_id"]
+        pad, top_k = self.config["pad_token_id"], call.sampling.max_top_logprobs
         seen: set[int] = set()
         with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
             async for index, row in self._stream_rows(call):
                 seen.add(index)
-                yield index, build_row_output(call.prompts, index, row, pad)
+                yield index, build_row_output(call.prompts, index, row, pad, top_k)
         _check_every_row(seen, call.size)
+
+    async def generate_stream(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncGenerator[RowEvent, None]:
+        """Yield ``RowEvent``s as tokens are chosen: the rows ``generate`` returns, token by
+        token where the backend can (else each row in one event). Closing the iterator early
+        ends the rows not yet finished."""
+        call = self._new_call(data, greedy)
+        if self._weights is not None:
+            await self._weights.admit_async(self.config.get("max_weight_staleness"))
+        pad, top_k = self.config["pad_token_id"], call.sampling.max_top_logprobs
+        sent = [0] * call.size  # tokens already streamed, per row
+        done: set[int] = set()
+        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+            async for index, step in self._stream_events(call):
+                if isinstance(step, RowResult):  # the row ended: what was not streamed, and it
+                    new = slice(sent[index], None)
+                    done.add(index)
+                    tokens = list(step.token_ids[new])
+                    no_top: list[list[Any]] = [[] for _ in tokens]
+                    yield RowEvent(
+                        index,
+                        tokens,
+                        list(step.logprobs[new]),
+                        [list(x) for x in step.topk_ids[new]] if step.topk_ids else no_top,
+                        [list(x) for x in step.topk_logprobs[new]]
+                        if step.topk_logprobs
+                        else no_top,
+                        build_row_output(call.prompts, index, step, pad, top_k),
+                    )
+                else:
+                    sent[index] += len(step.token_ids)
+                    yield step
+        _check_every_row(done, call.size)
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
         if not self._implements("_score_rows"):
             return super().score(data)
+        return self.score_top_logprobs(data, 0)["logprobs"]
+
+    def score_top_logprobs(
+        self, data: BatchedDataDict[ScoreSpec], top_logprobs: int
+    ) -> BatchedDataDict[ScoreOutputSpec]:
+        if not self._implements("_score_rows"):
+            return super().score_top_logprobs(data, top_logprobs)
+        limit = self.max_top_logprobs
+        if (
+            isinstance(top_logprobs, bool)
+            or not isinstance(top_logprobs, int)
+            or top_logprobs < 0
+            or (limit is not None and top_logprobs > limit)
+        ):
+            most = "" if limit is None else f" and <= {limit} (max_logprobs)"
+            raise GenerationInputError(
+                f"top_logprobs must be an integer >= 0{most}, got {top_logprobs!r}"
+            )
         batch = normalize_score_input(data, vocab_size=self.vocab_size)
-        limit = self.context_limit
-        too_long = [i for i, s in enumerate(batch.sequences) if limit and len(s) >= limit]
+        limit_len = self.context_limit
+        too_long = [i for i, s in enumerate(batch.sequences) if limit_len and len(s) >= limit_len]
         if too_long:
             raise GenerationInputError(
                 f"score row {too_long[0]} has {len(batch.sequences[too_long[0]])} tokens; "
-                f"sequences must be shorter than the context limit {limit}"
+                f"sequences must be shorter than the context limit {limit_len}"
             )
         with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
-            per_row = self._score_rows(batch) if batch.sequences else []
-        return scatter_response_logprobs(batch, per_row)
+            rows = self._score_rows(batch, top_logprobs) if batch.sequences else []
+        return scatter_scores(batch, rows, top_logprobs)
 
     def _new_call(self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool) -> GenerationCall:
         """Validate the batch and resolve every row's sampling, before anything runs."""
@@ -236,6 +296,13 @@ class GenerationBackend(GenerationInterface):
             context_limit=self.context_limit,
         )
         sampling = resolve_sampling(self.config, prompts, greedy=greedy)
+        limit = self.max_top_logprobs
+        if limit is not None and sampling.max_top_logprobs > limit:
+            row = next(i for i, r in enumerate(sampling.rows) if r.top_logprobs > limit)
+            raise GenerationInputError(
+                f"top_logprobs row {row} is {sampling.rows[row].top_logprobs}; this "
+                f"{type(self).__name__} returns at most {limit} (its setting max_logprobs)"
+            )
         if sampling.needs_tokenizer and not self.has_tokenizer:
             row = next(i for i, r in enumerate(sampling.rows) if r.stop_strings)
             raise GenerationInputError(
@@ -343,13 +410,36 @@ class GenerationBackend(GenerationInterface):
     async def _stream_rows(self, call: GenerationCall) -> AsyncIterator[tuple[int, RowResult]]:
         """Yield ``(row index, result)`` as rows finish; closing the iterator ends the call.
 
-        The default runs ``_run_rows`` on a thread and hands each row over as it is reported
-        (rows it returns without reporting come after it returns).
+        The default keeps the finished rows of ``_stream_events``.
         """
+        async for index, step in self._stream_events(call, tokens=False):
+            if isinstance(step, RowResult):
+                yield index, step
+
+    async def _stream_events(
+        self, call: GenerationCall, *, tokens: bool = True
+    ) -> AsyncIterator[tuple[int, RowEvent | RowResult]]:
+        """Yield ``(row index, RowEvent)`` for new tokens (when ``tokens``) and
+        ``(row index, RowResult)`` as each row finishes; closing the iterator ends the call.
+
+        The default runs ``_run_rows`` on a thread and hands over what it reports through its
+        ``RowControl`` as it happens (rows it returns without reporting come after it returns);
+        a backend with a ``_stream_rows`` of its own streams whole rows through it instead.
+        """
+        if self._implements("_stream_rows"):
+            async for whole_row in self._stream_rows(call):
+                yield whole_row
+            return
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, RowResult] | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, RowEvent | RowResult] | None] = asyncio.Queue()
+
+        def on_token(i: int, token: int, lp: float, ids: list[int], lps: list[float]) -> None:
+            event = RowEvent(i, [token], [lp], [ids], [lps])
+            loop.call_soon_threadsafe(queue.put_nowait, (i, event))
+
         control = RowControl(
-            on_row=lambda i, row: loop.call_soon_threadsafe(queue.put_nowait, (i, row))
+            on_row=lambda i, row: loop.call_soon_threadsafe(queue.put_nowait, (i, row)),
+            on_token=on_token if tokens else None,
         )
 
         def run() -> Sequence[RowResult | None]:
@@ -359,13 +449,14 @@ class GenerationBackend(GenerationInterface):
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
         worker = loop.run_in_executor(None, run)
-        seen: set[int] = set()
+        finished: set[int] = set()
         try:
             while (item := await queue.get()) is not None:
-                seen.add(item[0])
+                if isinstance(item[1], RowResult):
+                    finished.add(item[0])
                 yield item
             for index, row in enumerate(await worker):
-                if row is not None and index not in seen:
+                if row is not None and index not in finished:
                     yield index, row
         finally:
             if not worker.done():  # the caller stopped reading: end the call, then wait for it
@@ -373,8 +464,9 @@ class GenerationBackend(GenerationInterface):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(worker)
 
-    def _score_rows(self, batch: ScoreBatch) -> list[torch.Tensor]:
-        """Per row i, float32 ``[g_i]``: the raw logprob of each response token."""
+    def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
+        """Per row, the raw logprob of each response token and the ``top_logprobs`` likeliest
+        tokens at each response position (``scoring.scored_row`` builds one from logits)."""
         raise NotImplementedError(f"{type(self).__name__} does not support score")
 
     def _wake(self, resources: tuple[Resource, ...]) -> None:

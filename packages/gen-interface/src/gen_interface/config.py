@@ -37,8 +37,10 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "top_p": 1.0,
     "top_k": None,
+    "min_p": 0.0,
     "stop_strings": None,
     "logprobs_mode": "raw",
+    "top_logprobs": 0,
     "seed": None,
     "dtype": "auto",
     "colocated": {"enabled": False},
@@ -53,9 +55,11 @@ PER_CALL_SETTINGS = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
         "stop_token_ids",
         "stop_strings",
         "seed",
+        "top_logprobs",
         "max_weight_staleness",
     }
 )
@@ -148,6 +152,11 @@ def validate_generation_config(
     top_k = config.get("top_k")
     if top_k is not None and top_k != -1:
         _int_field(config, "top_k", minimum=1, hint="None or -1 = off")
+    min_p = _number_field(config, "min_p") if "min_p" in config else 0.0
+    if not 0 <= min_p <= 1:
+        raise GenerationConfigError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    if "top_logprobs" in config:
+        _int_field(config, "top_logprobs", minimum=0, hint="0 = off")
     pad = config.get("pad_token_id")
     if pad is None:
         raise GenerationConfigError(

@@ -7,12 +7,13 @@ before any worker is touched, with the same message whichever backend runs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gen_interface.errors import GenerationInputError
+from gen_interface.row_settings import parse_row_settings
 
 __all__ = ["PromptBatch", "normalize_generation_input"]
 
@@ -27,12 +28,15 @@ class PromptBatch:
         input_lengths: int64 ``[B]``, the prompt length p_i of each row (>= 1).
         stop_strings: per-row extra stop strings (None for a row without).
         sample_seeds: int64 ``[B]`` per-row seeds given by the caller, or None.
+        row_settings: per-row sampling settings the caller gave (``row_settings.ROW_SETTINGS``
+            and ``stop_token_ids``): name -> one value per row.
     """
 
     input_ids: torch.Tensor
     input_lengths: torch.Tensor
     stop_strings: list[list[str] | None]
     sample_seeds: torch.Tensor | None
+    row_settings: Mapping[str, list[Any]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -48,6 +52,7 @@ class PromptBatch:
             input_lengths=lengths,
             stop_strings=[self.stop_strings[i] for i in indices],
             sample_seeds=None if self.sample_seeds is None else self.sample_seeds[index],
+            row_settings={k: [v[i] for i in indices] for k, v in self.row_settings.items()},
         )
 
     def prompts(self) -> list[list[int]]:
@@ -65,7 +70,8 @@ def normalize_generation_input(
     """Validate a ``GenerationDatumSpec`` batch and bring it to canonical form.
 
     Accepts ``attention_mask`` (left, right or mixed padding; each row's ones one contiguous run)
-    or ``input_lengths`` (right padding). When both are given they must agree.
+    or ``input_lengths`` (right padding). When both are given they must agree. Per-row
+    ``stop_strings``, ``sample_seeds`` and sampling settings (``row_settings``) are checked too.
 
     Args:
         data: the batch, a ``BatchedDataDict[GenerationDatumSpec]`` or any mapping.
@@ -128,6 +134,7 @@ def normalize_generation_input(
         input_lengths=lengths,
         stop_strings=_stop_strings(data, batch),
         sample_seeds=_sample_seeds(data, batch),
+        row_settings=parse_row_settings(data, batch),
     )
 
 

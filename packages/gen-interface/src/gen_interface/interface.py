@@ -11,11 +11,13 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from gen_interface.batched_data_dict import BatchedDataDict
+from gen_interface.events import RowEvent
 from gen_interface.schema import ForeignKeys
 from gen_interface.specs import (
     GenerationConfig,
     GenerationDatumSpec,
     GenerationOutputSpec,
+    ScoreOutputSpec,
     ScoreSpec,
 )
 
@@ -47,6 +49,8 @@ class BackendCapabilities:
         in_flight_updates: a weight update may start while rows run: in ``"keep"`` mode they
             pause and go on with the new weights, in ``"abort"`` mode they end at once, marked
             ``cut_short``. False: an update waits for running calls to end.
+        token_streaming: ``generate_stream`` yields each token as it is chosen (True), or each
+            row's tokens at once when it finishes (False).
         notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """
 
@@ -57,6 +61,7 @@ class BackendCapabilities:
     score: bool = False
     stop_strings: bool = False
     in_flight_updates: bool = False
+    token_streaming: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -356,6 +361,46 @@ class GenerationInterface(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not support score")
 
+    def score_top_logprobs(
+        self, data: BatchedDataDict[ScoreSpec], top_logprobs: int
+    ) -> BatchedDataDict[ScoreOutputSpec]:
+        """``score``, plus the ``top_logprobs`` likeliest tokens at every response position:
+        what a distillation teacher returns, and a server's ``prompt_logprobs``.
+
+        Returns:
+            ``logprobs`` float32 ``[B, L]`` (``score``'s), ``topk_ids`` int64 and
+            ``topk_logprobs`` float32 ``[B, L, top_logprobs]``: raw log-probabilities, most
+            likely first; -1 and 0.0 outside the responses.
+
+        Raises:
+            GenerationInputError: the sequences are malformed or ``top_logprobs`` is not an
+                integer >= 0.
+            NotImplementedError: the backend cannot score (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support score_top_logprobs")
+
+    async def generate_stream(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncGenerator[RowEvent, None]:
+        """Yield ``RowEvent``s: each row's tokens as they are chosen (``capabilities.
+        token_streaming``), or all at once when it finishes (the default, on
+        ``generate_async``). A row's events carry its tokens in order, each once; its last
+        event carries its one-row output, exactly what ``generate_async`` yields for it.
+        Closing the iterator early ends the rows not yet finished.
+        """
+        async for index, row in self.generate_async(data, greedy):
+            start = int(row["unpadded_sequence_lengths"][0] - row["generation_lengths"][0])
+            tokens = row["output_ids"][0, start:].tolist()
+            no_top: list[list[Any]] = [[] for _ in tokens]
+            yield RowEvent(
+                index,
+                tokens,
+                row["logprobs"][0, start:].tolist(),
+                row["topk_ids"][0, start:].tolist() if "topk_ids" in row else no_top,
+                row["topk_logprobs"][0, start:].tolist() if "topk_ids" in row else no_top,
+                row,
+            )
+
     async def generate_async(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> AsyncGenerator[tuple[int, BatchedDataDict[GenerationOutputSpec]], None]:
@@ -366,9 +411,12 @@ class GenerationInterface(ABC):
         Each one-row output is trimmed to its own ``unpadded_sequence_lengths``.
         """
         output = await asyncio.to_thread(self.generate, data, greedy)
+        width_of_all = output["output_ids"].shape[1] if output.size else 0
         for i in range(output.size):
             row = output.slice(i, i + 1)
             width = int(row["unpadded_sequence_lengths"][0])
-            row["output_ids"] = row["output_ids"][:, :width]
-            row["logprobs"] = row["logprobs"][:, :width]
+            for key, value in row.items():  # every [B, L, ...] field
+                wide = isinstance(value, torch.Tensor) and value.dim() >= 2
+                if wide and value.shape[1] == width_of_all:
+                    row[key] = value[:, :width]
             yield i, row

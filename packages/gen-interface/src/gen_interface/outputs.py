@@ -38,6 +38,9 @@ class RowResult:
             token came from ``weight_version``.
         cut_short: the row was ended early by a weight update in ``"abort"`` mode; its tokens so
             far are kept (``truncated`` is then False).
+        topk_ids: per generated token, the ids of its likeliest tokens (the row's
+            ``top_logprobs`` of them, most likely first); None when the row asked for none.
+        topk_logprobs: their logprobs, the same shape.
     """
 
     token_ids: Sequence[int]
@@ -46,6 +49,8 @@ class RowResult:
     weight_version: int = 0
     weight_versions: Sequence[int] | None = None
     cut_short: bool = False
+    topk_ids: Sequence[Sequence[int]] | None = None
+    topk_logprobs: Sequence[Sequence[float]] | None = None
 
     @classmethod
     def ended(
@@ -56,6 +61,8 @@ class RowResult:
         *,
         weight_version: int = 0,
         weight_versions: Sequence[int] | None = None,
+        topk_ids: Sequence[Sequence[int]] | None = None,
+        topk_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> RowResult:
         """The result of a row an engine reported as ended for ``finish_reason``.
 
@@ -76,6 +83,8 @@ class RowResult:
             weight_version=weight_version,
             weight_versions=weight_versions,
             cut_short=finish_reason == "abort",
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
         )
 
     def __post_init__(self) -> None:
@@ -87,19 +96,32 @@ class RowResult:
             raise ValueError(
                 f"a row has {len(self.token_ids)} tokens but {len(self.weight_versions)} versions"
             )
+        for name in ("topk_ids", "topk_logprobs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.token_ids):
+                raise ValueError(
+                    f"a row has {len(self.token_ids)} tokens but {len(value)} {name} entries"
+                )
 
 
 def build_generation_output(
-    prompts: PromptBatch, rows: Sequence[RowResult], pad_token_id: int
+    prompts: PromptBatch, rows: Sequence[RowResult], pad_token_id: int, top_logprobs: int = 0
 ) -> BatchedDataDict[GenerationOutputSpec]:
     """Lay out ``rows`` (one per prompt, in input order) as a ``GenerationOutputSpec`` batch.
+
+    Args:
+        prompts: the call's prompts.
+        rows: one result per prompt.
+        pad_token_id: fills ``output_ids`` past each row's end.
+        top_logprobs: ``K``, the width of the top-k fields (the most any row asked for).
 
     Returns:
         ``output_ids`` int64 ``[B, L]``, ``logprobs`` float32 ``[B, L]``, ``generation_lengths``
         and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` and ``cut_short`` bool
         ``[B]``, ``weight_version`` int64 ``[B]`` and ``weight_versions`` int64 ``[B, L]`` (the
-        version of each generated token, 0 elsewhere), where ``L = max_i(p_i + g_i)``. An empty
-        batch gives every field with ``B = 0`` (and ``L = 0``).
+        version of each generated token, 0 elsewhere), ``topk_ids`` int64 and
+        ``topk_logprobs`` float32 ``[B, L, K]`` (-1 and 0.0 where nothing was asked), where
+        ``L = max_i(p_i + g_i)``. An empty batch gives every field with ``B = 0`` (and ``L = 0``).
     """
     if len(rows) != prompts.size:
         raise ValueError(f"{len(rows)} results for {prompts.size} prompts")
@@ -110,6 +132,8 @@ def build_generation_output(
     output_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
     logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
     versions = torch.zeros((len(rows), width), dtype=torch.int64)
+    topk_ids = torch.full((len(rows), width, top_logprobs), -1, dtype=torch.int64)
+    topk_logprobs = torch.zeros((len(rows), width, top_logprobs), dtype=torch.float32)
     prompt_width = prompts.input_ids.shape[1]
     if rows:
         output_ids[:, :prompt_width] = torch.where(
@@ -127,6 +151,12 @@ def build_generation_output(
                 if row.weight_versions is None
                 else torch.as_tensor(row.weight_versions, dtype=torch.int64)
             )
+        if count and top_logprobs and row.topk_ids is not None and row.topk_logprobs is not None:
+            ids = torch.as_tensor(row.topk_ids, dtype=torch.int64).reshape(count, -1)
+            values = torch.as_tensor(row.topk_logprobs, dtype=torch.float32).reshape(count, -1)
+            k = min(ids.shape[1], top_logprobs)
+            topk_ids[i, start : start + count, :k] = ids[:, :k]
+            topk_logprobs[i, start : start + count, :k] = values[:, :k]
     return BatchedDataDict(
         output_ids=output_ids,
         logprobs=logprobs,
@@ -136,11 +166,14 @@ def build_generation_output(
         cut_short=torch.tensor([r.cut_short for r in rows], dtype=torch.bool),
         weight_version=torch.tensor([r.weight_version for r in rows], dtype=torch.int64),
         weight_versions=versions,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
     )
 
 
 def build_row_output(
-    prompts: PromptBatch, index: int, row: RowResult, pad_token_id: int
+    prompts: PromptBatch, index: int, row: RowResult, pad_token_id: int, top_logprobs: int = 0
 ) -> BatchedDataDict[GenerationOutputSpec]:
-    """The one-row output of row ``index`` (what ``generate_async`` yields), ``L = p_i + g_i``."""
-    return build_generation_output(prompts.select([index]), [row], pad_token_id)
+    """The one-row output of row ``index`` (what ``generate_async`` yields), ``L = p_i + g_i``;
+    ``top_logprobs`` as for ``build_generation_output`` (the call's ``K``)."""
+    return build_generation_output(prompts.select([index]), [row], pad_token_id, top_logprobs)

@@ -2,10 +2,11 @@
 
 A call's sampling comes from three places: the config (or a ``with_sampling`` front end's
 overrides), the call's ``greedy`` flag, and the batch's own per-row entries (``sample_seeds``,
-``stop_strings``). ``resolve_sampling`` folds them into a ``BatchSampling``: one ``RowSampling``
-per row, every setting explicit, seeds already derived. Backends read nothing else, so they
-cannot disagree on what a setting means, and the record crosses a process or a network as plain
-data (``to_wire`` / ``from_wire``).
+``stop_strings``, and any of the per-row settings of ``row_settings``, which replace the
+config's for their row). ``resolve_sampling`` folds them into a ``BatchSampling``: one
+``RowSampling`` per row, every setting explicit, seeds already derived. Backends read nothing
+else, so they cannot disagree on what a setting means, and the record crosses a process or a
+network as plain data (``to_wire`` / ``from_wire``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class RowSampling:
         stop_token_ids: ids that end the row (kept in its output).
         stop_strings: strings that end the row once its generated text contains one (kept).
         seed: the row's 64-bit sampling seed; a row draws only from a generator seeded with it.
+        min_p: in [0, 1]; tokens less likely than ``min_p`` times the likeliest are dropped
+            (after temperature, before top-k); 0.0 is off.
+        top_logprobs: how many of the likeliest tokens to report at each step, with their
+            logprobs (in the call's logprobs mode); 0 is off.
     """
 
     max_new_tokens: int
@@ -44,6 +49,8 @@ class RowSampling:
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
     seed: int
+    min_p: float = 0.0
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +75,11 @@ class BatchSampling:
     @property
     def processed(self) -> bool:
         return self.logprobs_mode == "processed"
+
+    @property
+    def max_top_logprobs(self) -> int:
+        """The most top logprobs any row asks for: the ``K`` of the outputs' top-k fields."""
+        return max((row.top_logprobs for row in self.rows), default=0)
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -117,29 +129,47 @@ def resolve_sampling(
 ) -> BatchSampling:
     """Every row's sampling for one call of a backend configured with ``config``.
 
-    Greedy rows (``greedy=True``, or a temperature below ``GREEDY_TEMPERATURE``) get temperature
-    0.0. A row's stop strings are the config's then its own, without repeats; its seed is the
-    caller's ``sample_seeds`` entry (mixed) or derived from the config seed and its index.
+    A row's own settings (``prompts.row_settings``) replace the config's. Greedy rows
+    (``greedy=True``, or a temperature below ``GREEDY_TEMPERATURE``) get temperature 0.0. A row's
+    stop strings are the config's then its own, without repeats; its seed is the caller's
+    ``sample_seeds`` entry (mixed) or derived from the config seed and its index.
     """
     temperature, top_k, top_p = sampling_settings_of(cast(GenerationConfig, config))
-    if is_greedy(temperature, greedy):
-        temperature = 0.0
+    defaults: dict[str, Any] = {
+        "max_new_tokens": int(config["max_new_tokens"]),
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": float(config.get("min_p", 0.0)),
+        "top_logprobs": int(config.get("top_logprobs", 0)),
+        "stop_token_ids": list(config.get("stop_token_ids") or ()),
+    }
+    own = prompts.row_settings
     common_strings = list(config.get("stop_strings") or [])
-    stop_ids = tuple(config.get("stop_token_ids") or ())
     seeds = row_seeds_for(prompts, config.get("seed"))
-    rows = tuple(
-        RowSampling(
-            max_new_tokens=int(config["max_new_tokens"]),
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_token_ids=stop_ids,
-            stop_strings=tuple(dict.fromkeys(common_strings + list(own or []))),
-            seed=seed,
+    rows = []
+    for i, (strings, seed) in enumerate(zip(prompts.stop_strings, seeds)):
+        value = {k: (own[k][i] if k in own else v) for k, v in defaults.items()}
+        if value["stop_token_ids"] is None:  # this row keeps the config's
+            value["stop_token_ids"] = defaults["stop_token_ids"]
+        if value["top_k"] is not None and value["top_k"] < 1:  # 0 and -1 mean off
+            value["top_k"] = None
+        rows.append(
+            RowSampling(
+                max_new_tokens=value["max_new_tokens"],
+                temperature=0.0
+                if is_greedy(value["temperature"], greedy)
+                else float(value["temperature"]),
+                top_k=value["top_k"],
+                top_p=float(value["top_p"]),
+                stop_token_ids=tuple(value["stop_token_ids"]),
+                stop_strings=tuple(dict.fromkeys(common_strings + list(strings or []))),
+                seed=seed,
+                min_p=float(value["min_p"]),
+                top_logprobs=value["top_logprobs"],
+            )
         )
-        for own, seed in zip(prompts.stop_strings, seeds)
-    )
-    return BatchSampling(rows, cast(LogprobsMode, config.get("logprobs_mode", "raw")))
+    return BatchSampling(tuple(rows), cast(LogprobsMode, config.get("logprobs_mode", "raw")))
 
 
 def _checked_row(i: int, row: dict[str, Any]) -> RowSampling:
@@ -169,6 +199,11 @@ def _checked_row(i: int, row: dict[str, Any]) -> RowSampling:
         raise bad("stop_strings", "a list of non-empty strings")
     if not is_int(row["seed"]) or not 0 <= row["seed"] <= MAX_SEED:
         raise bad("seed", f"an integer in [0, {MAX_SEED}]")
+    min_p = row["min_p"]
+    if isinstance(min_p, bool) or not isinstance(min_p, int | float) or not 0 <= min_p <= 1:
+        raise bad("min_p", "in [0, 1]")
+    if not is_int(row["top_logprobs"]) or row["top_logprobs"] < 0:
+        raise bad("top_logprobs", "an integer >= 0")
     return RowSampling(
         max_new_tokens=row["max_new_tokens"],
         temperature=float(temperature),
@@ -177,4 +212,6 @@ def _checked_row(i: int, row: dict[str, Any]) -> RowSampling:
         stop_token_ids=tuple(ids),
         stop_strings=tuple(strings),
         seed=row["seed"],
+        min_p=float(min_p),
+        top_logprobs=row["top_logprobs"],
     )

@@ -8,9 +8,18 @@ from typing import Any
 
 import torch
 
+from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.errors import GenerationInputError
+from gen_interface.specs import ScoreOutputSpec
 
-__all__ = ["ScoreBatch", "normalize_score_input", "scatter_response_logprobs"]
+__all__ = [
+    "ScoreBatch",
+    "ScoredRow",
+    "normalize_score_input",
+    "scatter_response_logprobs",
+    "scatter_scores",
+    "scored_row",
+]
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,31 @@ class ScoreBatch:
     sequences: list[list[int]]
     prompt_lengths: list[int]
     width: int
+
+
+@dataclass(frozen=True)
+class ScoredRow:
+    """One row's teacher-forced scores.
+
+    Attributes:
+        logprobs: float32 ``[g]``: each response token's raw log-probability.
+        topk_ids: int64 ``[g, k]``: the k likeliest tokens at each response position, most
+            likely first (``k = 0`` when none were asked for).
+        topk_logprobs: float32 ``[g, k]``: their raw log-probabilities.
+    """
+
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+
+
+def scored_row(log_probs: torch.Tensor, targets: torch.Tensor, top_logprobs: int) -> ScoredRow:
+    """A row's scores from its raw log-probabilities ``[g, V]`` at the response positions and
+    its response tokens ``[g]``."""
+    log_probs = log_probs.float()
+    chosen = log_probs.gather(1, targets[:, None].to(log_probs.device)).squeeze(1)
+    values, ids = log_probs.topk(min(top_logprobs, log_probs.shape[-1]), dim=-1)
+    return ScoredRow(chosen.cpu(), ids.cpu(), values.cpu())
 
 
 def normalize_score_input(data: Mapping[str, Any], *, vocab_size: int | None = None) -> ScoreBatch:
@@ -75,3 +109,23 @@ def _lengths(data: Mapping[str, Any], key: str, batch: int) -> list[int]:
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != (batch,):
         raise GenerationInputError(f"score needs {key}, an integer tensor of shape ({batch},)")
     return [int(v) for v in value.tolist()]
+
+
+def scatter_scores(
+    batch: ScoreBatch, rows: Sequence[ScoredRow], top_logprobs: int
+) -> BatchedDataDict[ScoreOutputSpec]:
+    """Lay per-row scores out as a ``ScoreOutputSpec`` batch (``scatter_response_logprobs`` for
+    the logprobs; the top-k fields ``[B, L, top_logprobs]``, -1 and 0.0 outside responses)."""
+    count = len(batch.sequences)
+    ids = torch.full((count, batch.width, top_logprobs), -1, dtype=torch.int64)
+    values = torch.zeros((count, batch.width, top_logprobs), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        start, g = batch.prompt_lengths[i], row.logprobs.numel()
+        k = min(top_logprobs, row.topk_ids.shape[-1]) if g else 0
+        ids[i, start : start + g, :k] = row.topk_ids[:, :k]
+        values[i, start : start + g, :k] = row.topk_logprobs[:, :k]
+    return BatchedDataDict(
+        logprobs=scatter_response_logprobs(batch, [row.logprobs for row in rows]),
+        topk_ids=ids,
+        topk_logprobs=values,
+    )

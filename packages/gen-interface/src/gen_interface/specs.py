@@ -18,6 +18,7 @@ __all__ = [
     "GenerationDatumSpec",
     "GenerationOutputSpec",
     "LogprobsMode",
+    "ScoreOutputSpec",
     "ScoreSpec",
 ]
 
@@ -48,10 +49,12 @@ class GenerationConfig(TypedDict, total=False):
     temperature: float  # >= 0; 0 means greedy; default 1.0
     top_p: float  # in (0, 1]; default 1.0 (off)
     top_k: int | None  # None or -1 = off, else >= 1; default None
+    min_p: float  # in [0, 1]: drop tokens below min_p * the likeliest's probability; 0 = off
     stop_token_ids: list[int] | None  # a row stops after emitting one (kept); default [eos]
     stop_strings: list[str] | None  # a row stops after completing one (kept); needs a tokenizer
     pad_token_id: int  # fills output_ids past each row's end; default tokenizer's pad (or eos)
     logprobs_mode: LogprobsMode  # "raw" (default) or "processed"
+    top_logprobs: int  # >= 0: also return the k likeliest tokens and their logprobs; 0 = off
     seed: int | None  # base of the per-row sampling seeds; None = fresh randomness each call
     dtype: DType  # model dtype; default "auto" (the checkpoint's)
     colocated: ColocatedConfig  # default {"enabled": False}
@@ -65,6 +68,9 @@ class GenerationDatumSpec(TypedDict):
 
     Each row's real tokens form one contiguous run; left, right and mixed padding all give the
     same result. One of ``attention_mask`` and ``input_lengths`` is needed (both: they must agree).
+
+    Per-row sampling settings replace the config's for their row: a row gets exactly what a
+    batch of that row alone would get with those values in the config.
     """
 
     input_ids: torch.Tensor  # int64 [B, S]
@@ -72,6 +78,13 @@ class GenerationDatumSpec(TypedDict):
     input_lengths: NotRequired[torch.Tensor]  # int64 [B]; implies right padding
     stop_strings: NotRequired[list[list[str] | None]]  # per row, added to the config's
     sample_seeds: NotRequired[torch.Tensor]  # int64 [B]; per-row seeds, override the config seed
+    max_new_tokens: NotRequired[torch.Tensor]  # int64 [B], >= 1
+    temperature: NotRequired[torch.Tensor]  # float [B], >= 0 (0: greedy)
+    top_p: NotRequired[torch.Tensor]  # float [B], in (0, 1]
+    top_k: NotRequired[torch.Tensor]  # int64 [B], >= 1, or 0 / -1 for off
+    min_p: NotRequired[torch.Tensor]  # float [B], in [0, 1]
+    top_logprobs: NotRequired[torch.Tensor]  # int64 [B], >= 0
+    stop_token_ids: NotRequired[list[list[int] | None]]  # per row; None: the config's
 
 
 class GenerationOutputSpec(TypedDict):
@@ -92,6 +105,11 @@ class GenerationOutputSpec(TypedDict):
     weight_version: torch.Tensor  # int64 [B]: the weight version the row started on
     # int64 [B, L]: position p_i + j holds the version that produced generated token j; else 0
     weight_versions: torch.Tensor
+    # K = the largest top_logprobs of the batch's rows. int64 [B, L, K]: at position p_i + j,
+    # the ids of the k_i likeliest tokens for generated token j (in the logprobs mode), most
+    # likely first; -1 elsewhere and past k_i. float32 [B, L, K]: their logprobs; 0.0 elsewhere.
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
 
 
 class ScoreSpec(TypedDict):
@@ -103,3 +121,12 @@ class ScoreSpec(TypedDict):
     input_ids: torch.Tensor  # int64 [B, L]
     prompt_lengths: torch.Tensor  # int64 [B]: p_i (>= 1)
     unpadded_sequence_lengths: torch.Tensor  # int64 [B]: p_i + g_i
+
+
+class ScoreOutputSpec(TypedDict):
+    """What ``score_top_logprobs`` returns: ``score``'s logprobs and the top-k of every response
+    position (raw log-probabilities, the layout of ``GenerationOutputSpec``'s top-k fields)."""
+
+    logprobs: torch.Tensor  # float32 [B, L]: p_i + j holds response token j's; else 0.0
+    topk_ids: torch.Tensor  # int64 [B, L, k]: the k likeliest tokens at p_i + j; else -1
+    topk_logprobs: torch.Tensor  # float32 [B, L, k]; else 0.0

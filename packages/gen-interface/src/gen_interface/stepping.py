@@ -10,22 +10,25 @@ it was written cuts the calls it paused as well: their next token would come fro
 are part old, part new.
 
 ``RowControl`` is a call's link to the world outside its decode loop: who hears of each finished
-row, and the flag that ends the call early.
+row, and the flag that ends the call early. ``GeneratedRows`` is what a decode loop's rows have
+produced so far, and turns a row into its ``RowResult`` when it ends.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gen_interface.outputs import RowResult
+
 if TYPE_CHECKING:
     from gen_interface.interface import InFlight
-    from gen_interface.outputs import RowResult
+    from gen_interface.sampling import TokenChoice
 
-__all__ = ["RowControl", "StepGate", "StepTicket"]
+__all__ = ["GeneratedRows", "RowControl", "StepGate", "StepTicket"]
 
 
 @dataclass
@@ -35,10 +38,13 @@ class RowControl:
     Attributes:
         on_row: called with (call row index, result) as each row finishes, from the thread that
             decodes; None when nobody streams the rows.
+        on_token: called with (call row index, token, logprob, top-k ids, top-k logprobs) as
+            each token is chosen, from the thread that decodes; None when nobody streams tokens.
         cancelled: set it to end the call at its next step (rows not finished are dropped).
     """
 
     on_row: Callable[[int, RowResult], object] | None = None
+    on_token: Callable[[int, int, float, list[int], list[float]], object] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def finished(self, row: int, result: RowResult) -> RowResult:
@@ -46,6 +52,69 @@ class RowControl:
         if self.on_row is not None:
             self.on_row(row, result)
         return result
+
+
+class GeneratedRows:
+    """The tokens, logprobs, weight versions and top logprobs of ``count`` rows so far.
+
+    Rows are numbered as the decode loop numbers them; ``record`` appends one step's choice for
+    the rows still running, ``ended`` builds a row's ``RowResult``.
+
+    Args:
+        top_logprobs: each row's ``top_logprobs`` (how many of a step's top-k entries it keeps).
+        call_rows: each row's index in the call, for ``control`` (default: the same numbers).
+        control: hears of every token recorded (``RowControl.on_token``), if it listens.
+    """
+
+    def __init__(
+        self,
+        top_logprobs: Sequence[int],
+        call_rows: Sequence[int] | None = None,
+        control: RowControl | None = None,
+    ):
+        count = len(top_logprobs)
+        self._keep = list(top_logprobs)
+        self._call_rows = list(call_rows) if call_rows is not None else list(range(count))
+        self._on_token = control.on_token if control is not None else None
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.logprobs: list[list[float]] = [[] for _ in range(count)]
+        self.versions: list[list[int]] = [[] for _ in range(count)]
+        self.topk_ids: list[list[list[int]]] = [[] for _ in range(count)]
+        self.topk_logprobs: list[list[list[float]]] = [[] for _ in range(count)]
+
+    def record(self, rows: list[int], choice: TokenChoice, version: int) -> None:
+        """Append ``choice`` (one entry per row of ``rows``, in order), made by weights
+        ``version``."""
+        ids, values = choice.topk_ids.tolist(), choice.topk_logprobs.tolist()
+        for slot, (row, token, logprob) in enumerate(
+            zip(rows, choice.tokens.tolist(), choice.logprobs.tolist())
+        ):
+            self.tokens[row].append(token)
+            self.logprobs[row].append(logprob)
+            self.versions[row].append(version)
+            self.topk_ids[row].append(ids[slot][: self._keep[row]])
+            self.topk_logprobs[row].append(values[slot][: self._keep[row]])
+            if self._on_token is not None:
+                self._on_token(
+                    self._call_rows[row],
+                    token,
+                    logprob,
+                    self.topk_ids[row][-1],
+                    self.topk_logprobs[row][-1],
+                )
+
+    def ended(self, row: int, finish_reason: str, version_now: int) -> RowResult:
+        """Row ``row``'s result, ended for ``finish_reason`` (``RowResult.ended``'s rules);
+        ``version_now`` is the version it started on when it generated nothing."""
+        return RowResult.ended(
+            finish_reason,
+            self.tokens[row],
+            self.logprobs[row],
+            weight_version=self.versions[row][0] if self.versions[row] else version_now,
+            weight_versions=self.versions[row],
+            topk_ids=self.topk_ids[row],
+            topk_logprobs=self.topk_logprobs[row],
+        )
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,17 @@ from gen_testkit.suite.capabilities import CapabilityProperties
 from gen_testkit.suite.determinism import DeterminismProperties
 from gen_testkit.suite.layout import LayoutProperties
 from gen_testkit.suite.lifecycle import LifecycleProperties
+from gen_testkit.suite.row_sampling import RowSamplingProperties
 
 __all__ = ["ConformanceSubject", "GenerationConformanceSuite", "conformance_config"]
 
 
 class GenerationConformanceSuite(
-    LayoutProperties, DeterminismProperties, LifecycleProperties, CapabilityProperties
+    LayoutProperties,
+    DeterminismProperties,
+    RowSamplingProperties,
+    LifecycleProperties,
+    CapabilityProperties,
 ):
     """The CONTRACT's generation rules, as tests a backend's test class inherits.
 

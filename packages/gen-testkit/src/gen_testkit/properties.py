@@ -32,6 +32,8 @@ OUTPUT_DTYPES: dict[str, torch.dtype] = {
     "cut_short": torch.bool,
     "weight_version": torch.int64,
     "weight_versions": torch.int64,
+    "topk_ids": torch.int64,
+    "topk_logprobs": torch.float32,
 }
 
 # log_softmax may round the top log-probability a hair above zero.
@@ -51,6 +53,11 @@ def check_layout(prompts: Sequence[Sequence[int]], output: Mapping[str, Any]) ->
     assert logprobs.shape == ids.shape, f"logprobs {tuple(logprobs.shape)} != {tuple(ids.shape)}"
     versions = output["weight_versions"]
     assert versions.shape == ids.shape, f"weight_versions {tuple(versions.shape)} != {ids.shape}"
+    top_ids, top_values = output["topk_ids"], output["topk_logprobs"]
+    assert top_ids.dim() == 3 and top_ids.shape[:2] == ids.shape, (
+        f"topk_ids is {tuple(top_ids.shape)}, output_ids {tuple(ids.shape)}"
+    )
+    assert top_values.shape == top_ids.shape, f"topk_logprobs {tuple(top_values.shape)}"
     for key in (
         "generation_lengths",
         "unpadded_sequence_lengths",

@@ -129,6 +129,8 @@ def generation_configs(
         "temperature": draw(st.one_of(st.just(0.0), st.floats(0.05, 2.0))),
         "top_p": draw(st.floats(0.05, 1.0)),
         "top_k": top_k,
+        "min_p": draw(st.sampled_from([0.0, 0.05, 1.0])),
+        "top_logprobs": draw(st.integers(0, 5)),
         "stop_token_ids": draw(
             st.one_of(st.none(), st.lists(st.integers(0, vocab_size - 1), max_size=4))
         ),
@@ -150,6 +152,8 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "temperature": [-0.1, float("nan"), float("inf"), "1", None],
     "top_p": [0.0, -0.5, 1.01, float("nan"), None],
     "top_k": [0, -2, 1.5, "5"],
+    "min_p": [-0.1, 1.5, float("nan"), "0.1", None],
+    "top_logprobs": [-1, 1.5, "2", True, None],
     "stop_token_ids": [[-1], ["a"], 5, [1.5], [True]],
     "stop_strings": ["stop", [""], [3]],
     "pad_token_id": [-1, 1.5, "0", None],

@@ -31,6 +31,7 @@ class VllmSpecificArgs(TypedDict, total=False):
     enforce_eager: bool  # no CUDA graphs / torch.compile (True: fast start, needed on CPU)
     enable_prefix_caching: bool  # reuse KV of shared prompt prefixes across calls (True)
     max_num_seqs: int  # most sequences an engine runs at once (256)
+    max_logprobs: int  # the most top logprobs a row may ask for (top_logprobs) (20)
     load_format: LoadFormat  # "auto": read the checkpoint; "dummy": the first update brings them
     load_tokenizer: bool | Literal["auto"]  # tokenizer for stop strings ("auto": if present)
     enable_sleep_mode: bool | Literal["auto"]  # sleep in finish ("auto": colocated on CUDA)
@@ -58,6 +59,7 @@ VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
     "enforce_eager": True,
     "enable_prefix_caching": True,
     "max_num_seqs": 256,
+    "max_logprobs": 20,
     "load_format": "auto",
     "load_tokenizer": "auto",
     "enable_sleep_mode": "auto",
@@ -95,6 +97,7 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
     _translate_nemo_rl_names(out, cfg, given=out.get("vllm_cfg") or {})
     check_int_setting(cfg, "vllm_cfg", "tensor_parallel_size")
     check_int_setting(cfg, "vllm_cfg", "max_num_seqs")
+    check_int_setting(cfg, "vllm_cfg", "max_logprobs", minimum=0)
     if cfg["max_model_len"] is not None:
         check_int_setting(cfg, "vllm_cfg", "max_model_len")
     _fraction(cfg, "gpu_memory_utilization")

@@ -58,6 +58,10 @@ class StepOutput:
             which fails the row).
         prompt_logprobs: for requests that asked for them, the log-probability of prompt token
             t given tokens before it, for t >= 1 (``[len(prompt) - 1]``); reported once.
+        topk_ids, topk_logprobs: for requests that asked for ``logprobs=k`` with k >= 1, per
+            token, the k likeliest tokens and their logprobs, most likely first.
+        prompt_topk_ids, prompt_topk_logprobs: the same for prompt tokens t >= 1, for requests
+            that asked for ``prompt_logprobs=k`` with k >= 1.
     """
 
     request_id: str
@@ -65,6 +69,10 @@ class StepOutput:
     logprobs: list[float]
     finish_reason: str | None
     prompt_logprobs: list[float] | None = None
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+    prompt_topk_ids: list[list[int]] | None = None
+    prompt_topk_logprobs: list[list[float]] | None = None
 
 
 class EngineProtocol(Protocol):
@@ -125,6 +133,8 @@ class VllmEngine:
 
         args = EngineArgs(model=model, worker_extension_cls=EXTENSION_CLASS, **engine_args)
         self._engine = LLMEngine.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        # each running request's (top logprobs, top prompt logprobs)
+        self._top_k: dict[str, tuple[int, int]] = {}
         config = self._engine.model_config
         self.limits = EngineLimits(
             vocab_size=config.get_vocab_size(),
@@ -142,23 +152,32 @@ class VllmEngine:
             **params, output_kind=kind if kind is not None else RequestOutputKind.DELTA
         )
         self._engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
+        self._top_k[request_id] = (
+            int(params.get("logprobs") or 0),
+            int(params.get("prompt_logprobs") or 0),
+        )
 
     def step(self) -> list[StepOutput]:
         outputs = []
         for request in cast("list[RequestOutput]", self._engine.step()):
             completion = request.outputs[0]
             tokens = list(completion.token_ids)
-            logprobs = [
-                _logprob_of(position, token)
-                for position, token in zip(completion.logprobs or [], tokens)
-            ]
-            prompt_logprobs = None
+            positions = list(completion.logprobs or [])
+            logprobs = [_logprob_of(position, token) for position, token in zip(positions, tokens)]
+            k, prompt_k = self._top_k.get(request.request_id, (0, 0))
+            if request.finished:
+                self._top_k.pop(request.request_id, None)
+            prompt_logprobs = prompt_top = None
             if request.prompt_logprobs is not None:
                 prompt = request.prompt_token_ids or []
                 prompt_logprobs = [
                     _logprob_of(request.prompt_logprobs[t], prompt[t])
                     for t in range(1, len(prompt))
                 ]
+                if prompt_k:
+                    prompt_top = [
+                        _top_of(request.prompt_logprobs[t], prompt_k) for t in range(1, len(prompt))
+                    ]
             outputs.append(
                 StepOutput(
                     request_id=request.request_id,
@@ -168,12 +187,18 @@ class VllmEngine:
                     if request.finished
                     else None,
                     prompt_logprobs=prompt_logprobs,
+                    topk_ids=[_top_of(p, k)[0] for p in positions] if k else None,
+                    topk_logprobs=[_top_of(p, k)[1] for p in positions] if k else None,
+                    prompt_topk_ids=[ids for ids, _ in prompt_top] if prompt_top else None,
+                    prompt_topk_logprobs=[v for _, v in prompt_top] if prompt_top else None,
                 )
             )
         return outputs
 
     def abort(self, request_ids: list[str]) -> None:
         self._engine.abort_request(request_ids)
+        for request_id in request_ids:
+            self._top_k.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self._engine.has_unfinished_requests())
@@ -205,6 +230,17 @@ class VllmEngine:
     def _core(self) -> Any:
         """The in-process ``EngineCore`` (``LLMEngine`` exposes pause only on ``AsyncLLM``)."""
         return cast(Any, self._engine.engine_core).engine_core
+
+
+def _top_of(position: Any, k: int) -> tuple[list[int], list[float]]:
+    """The k likeliest tokens of one position and their logprobs, most likely first (vLLM
+    adds the sampled token's own entry, with its rank, when it is not among them)."""
+    ranked = sorted(
+        (entry.rank, token, float(entry.logprob))
+        for token, entry in position.items()
+        if entry.rank is not None and 1 <= entry.rank <= k
+    )
+    return [token for _, token, _ in ranked], [logprob for _, _, logprob in ranked]
 
 
 def _logprob_of(position: Any, token: int) -> float:

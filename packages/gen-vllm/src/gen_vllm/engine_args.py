@@ -79,6 +79,7 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
         "enforce_eager": cfg["enforce_eager"],
         "enable_prefix_caching": cfg["enable_prefix_caching"],
         "max_num_seqs": cfg["max_num_seqs"],
+        "max_logprobs": cfg["max_logprobs"],
         "kv_cache_dtype": cfg["kv_cache_dtype"],
         "load_format": cfg["load_format"],
         "logprobs_mode": (

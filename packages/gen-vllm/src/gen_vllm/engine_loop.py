@@ -235,8 +235,15 @@ class EngineLoop:
         out.token_ids.extend(step.token_ids)
         out.logprobs.extend(step.logprobs)
         out.weight_versions.extend([self._version] * len(step.token_ids))
+        if step.topk_ids is not None and step.topk_logprobs is not None:
+            if out.topk_ids is None or out.topk_logprobs is None:
+                out.topk_ids, out.topk_logprobs = [], []
+            out.topk_ids.extend(step.topk_ids)
+            out.topk_logprobs.extend(step.topk_logprobs)
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = step.prompt_logprobs
+            out.prompt_topk_ids = step.prompt_topk_ids
+            out.prompt_topk_logprobs = step.prompt_topk_logprobs
         if step.finish_reason is not None:
             del self._pending[step.request_id]
             if step.finish_reason not in get_args(FinishReason):

@@ -24,7 +24,7 @@ from gen_interface import (
 )
 from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
 from gen_interface.schema import ForeignKeys
-from gen_interface.scoring import ScoreBatch
+from gen_interface.scoring import ScoreBatch, ScoredRow
 from gen_interface.stepping import RowControl
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
 from gen_interface.weights.handles import WeightHandles
@@ -34,7 +34,7 @@ from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for
-from gen_vllm.messages import RowOutput, RowRequest
+from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens
 from gen_vllm.params import row_sampling_params
 from gen_vllm.receive import LoadInfo
 from gen_vllm.replicas import ReplicaSet, Timeouts
@@ -120,6 +120,7 @@ class VllmGeneration(GenerationBackend):
             },
             optional_weights=first["optional_weights"],
             weights_absent=DUMMY_WEIGHTS if cfg["load_format"] == "dummy" else None,
+            max_top_logprobs=cfg["max_logprobs"],
         )
 
     @classmethod
@@ -228,14 +229,14 @@ class VllmGeneration(GenerationBackend):
         timeout_s = self.replicas.timeouts.generate_s
         return [item async for item in self._router.run(requests, costs, timeout_s)]
 
-    def _score_rows(self, batch: ScoreBatch) -> list[torch.Tensor]:
+    def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
         shards: list[BatchedDataDict[Any]] = BatchedDataDict(
             rows=batch.sequences, starts=batch.prompt_lengths
         ).shard_by_batch_size(self.num_replicas, allow_uneven_shards=True)
         results = self.replicas.score(
-            [(s["rows"], s["starts"]) if s.size else None for s in shards]
+            [(s["rows"], s["starts"]) if s.size else None for s in shards], top_logprobs
         )
-        return [torch.tensor(row) for shard in results for row in (shard or [])]
+        return [_scored_row(row, top_logprobs) for shard in results for row in (shard or [])]
 
     # ---- life cycle --------------------------------------------------------------------------
 
@@ -292,4 +293,15 @@ def _row_result(row: RowOutput) -> RowResult:
         row.logprobs,
         weight_version=row.weight_version,
         weight_versions=row.weight_versions,
+        topk_ids=row.topk_ids,
+        topk_logprobs=row.topk_logprobs,
+    )
+
+
+def _scored_row(row: ScoredTokens, top_logprobs: int) -> ScoredRow:
+    shape = (len(row["logprobs"]), top_logprobs)
+    return ScoredRow(
+        torch.tensor(row["logprobs"], dtype=torch.float32),
+        torch.tensor(row["topk_ids"], dtype=torch.int64).reshape(shape),
+        torch.tensor(row["topk_logprobs"], dtype=torch.float32).reshape(shape),
     )

@@ -10,7 +10,7 @@ from typing import Any, TypedDict
 
 from gen_interface import FinishReason
 
-__all__ = ["RowOutput", "RowRequest", "UpdateReport", "WorkerInfo"]
+__all__ = ["RowOutput", "RowRequest", "ScoredTokens", "UpdateReport", "WorkerInfo"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,18 @@ class RowOutput:
     weight_versions: list[int] = field(default_factory=list)
     weight_version: int = 0  # the version the row started on
     prompt_logprobs: list[float] | None = None
+    topk_ids: list[list[int]] | None = None  # [g][k], when the row asked for top logprobs
+    topk_logprobs: list[list[float]] | None = None  # [g][k]
+    prompt_topk_ids: list[list[int]] | None = None  # [p - 1][k], scoring requests with top-k
+    prompt_topk_logprobs: list[list[float]] | None = None  # [p - 1][k]
+
+
+class ScoredTokens(TypedDict):
+    """One scored sequence's response positions."""
+
+    logprobs: list[float]  # [g]: each response token's raw logprob
+    topk_ids: list[list[int]]  # [g][k] (empty lists when k = 0)
+    topk_logprobs: list[list[float]]  # [g][k]
 
 
 class WorkerInfo(TypedDict):

@@ -17,8 +17,8 @@ def row_sampling_params(
 
     Rows stop only on their own stop tokens (``ignore_eos``: the model's own eos counts only
     when it is listed), keep stop strings in their output, and may not run past the context
-    limit. ``logprobs=0`` returns the emitted token's log-probability in the engine's
-    ``logprobs_mode``; greedy rows use temperature 0, for which vLLM reports raw values.
+    limit. ``logprobs=k`` returns the emitted token's log-probability and the k likeliest, in the
+    engine's ``logprobs_mode``; greedy rows use temperature 0, for which vLLM reports raw values.
     """
     params = []
     for row, length in zip(sampling.rows, prompt_lengths):
@@ -26,7 +26,7 @@ def row_sampling_params(
             "max_tokens": min(row.max_new_tokens, context_limit - length),
             "stop_token_ids": list(row.stop_token_ids),
             "ignore_eos": True,
-            "logprobs": 0,
+            "logprobs": row.top_logprobs,
             "detokenize": bool(row.stop_strings),
         }
         if row.stop_strings:
@@ -39,6 +39,7 @@ def row_sampling_params(
                 temperature=row.temperature,
                 top_p=row.top_p,
                 top_k=row.top_k or 0,
+                min_p=row.min_p,
                 seed=row.seed,
             )
         params.append(row_params)

@@ -127,10 +127,12 @@ class ReplicaSet:
             "counting rows",
         )
 
-    def score(self, shards: Sequence[tuple[list[list[int]], list[int]] | None]) -> list[Any]:
+    def score(
+        self, shards: Sequence[tuple[list[list[int]], list[int]] | None], top_logprobs: int = 0
+    ) -> list[Any]:
         """Score shard i on replica i (skipped when None); per-replica results, None if skipped."""
         refs = {
-            i: actor.score.remote(*shard)
+            i: actor.score.remote(*shard, top_logprobs)
             for i, (actor, shard) in enumerate(zip(self.actors, shards))
             if shard is not None
         }

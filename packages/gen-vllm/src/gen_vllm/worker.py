@@ -22,7 +22,7 @@ from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
-from gen_vllm.messages import RowOutput, RowRequest, UpdateReport, WorkerInfo
+from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens, UpdateReport, WorkerInfo
 from gen_vllm.receive import LoadInfo
 
 __all__ = ["VllmGenerationWorker"]
@@ -119,18 +119,25 @@ class VllmGenerationWorker:
         return await self._loop.generate(request)
 
     async def score(
-        self, sequences: list[list[int]], prompt_lengths: list[int]
-    ) -> list[list[float]]:
-        """Teacher-forced raw logprobs of each sequence's tokens after its prompt."""
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 0
+    ) -> list[ScoredTokens]:
+        """Teacher-forced raw logprobs of each sequence's tokens after its prompt, and the
+        ``top_logprobs`` likeliest tokens at each of those positions."""
         call = uuid.uuid4().hex[:8]
+        params = {**_SCORE_PARAMS, "prompt_logprobs": top_logprobs}
         outputs = await asyncio.gather(
             *(
-                self._loop.generate(RowRequest(f"score-{call}-{i}", sequence, _SCORE_PARAMS))
+                self._loop.generate(RowRequest(f"score-{call}-{i}", sequence, params))
                 for i, sequence in enumerate(sequences)
             )
         )
         return [
-            (out.prompt_logprobs or [])[start - 1 :] for out, start in zip(outputs, prompt_lengths)
+            ScoredTokens(
+                logprobs=(out.prompt_logprobs or [])[start - 1 :],
+                topk_ids=(out.prompt_topk_ids or [])[start - 1 :],
+                topk_logprobs=(out.prompt_topk_logprobs or [])[start - 1 :],
+            )
+            for out, start in zip(outputs, prompt_lengths)
         ]
 
     # ---- weight updates: vLLM's transaction, with this project's transfer engine -------------

@@ -24,8 +24,8 @@ from gen_interface import (
 from gen_interface.decoding import StopRules
 from gen_interface.in_process import InProcessBackend
 from gen_interface.sampling import row_generators, select_next_tokens
-from gen_interface.scoring import ScoreBatch
-from gen_interface.stepping import RowControl
+from gen_interface.scoring import ScoreBatch, ScoredRow, scored_row
+from gen_interface.stepping import GeneratedRows, RowControl
 
 from gen_testkit.ngram.model import NgramModel
 
@@ -87,6 +87,7 @@ class NgramGeneration(InProcessBackend):
         return BackendCapabilities(
             async_generation=True,
             in_flight_updates=True,
+            token_streaming=True,
             weight_transports=frozenset({"shm", "state_dict"}),
             devices=("cpu",),
             score=True,
@@ -105,15 +106,11 @@ class NgramGeneration(InProcessBackend):
         generators = row_generators([row.seed for row in call.sampling.rows])
         sequences = call.prompts.prompts()
         lengths = [len(s) for s in sequences]
-        generated: list[list[int]] = [[] for _ in sequences]
-        logprobs: list[list[float]] = [[] for _ in sequences]
-        versions: list[list[int]] = [[] for _ in sequences]
+        generated = GeneratedRows([row.top_logprobs for row in call.sampling.rows], control=control)
         results: list[RowResult | None] = [None] * len(sequences)
 
         def finish(i: int, reason: str, now: int) -> None:
-            version = versions[i][0] if versions[i] else now  # the weights the row started on
-            row = self._ended(reason, generated[i], logprobs[i], version, versions[i])
-            results[i] = control.finished(i, row)
+            results[i] = control.finished(i, self._ended(generated, i, reason, now))
 
         mark = self.gate.enter()
         active = list(range(len(sequences)))
@@ -131,19 +128,17 @@ class NgramGeneration(InProcessBackend):
                     for i in active:
                         finish(i, "error", ticket.version)
                     break
-            tokens, chosen = select_next_tokens(
+            choice = select_next_tokens(
                 logits,
                 [call.sampling.rows[i] for i in active],
                 processed=call.sampling.processed,
                 generators=[generators[i] for i in active],
             )
+            generated.record(active, choice, ticket.version)
             still = []
-            for i, token, lp in zip(active, tokens.tolist(), chosen.tolist()):
-                sequences[i].append(token)
-                generated[i].append(token)
-                logprobs[i].append(lp)
-                versions[i].append(ticket.version)
-                reason = rules.reason(i, lengths[i], generated[i])
+            for i in active:
+                sequences[i].append(generated.tokens[i][-1])
+                reason = rules.reason(i, lengths[i], generated.tokens[i])
                 if reason is None:
                     still.append(i)
                 else:
@@ -151,26 +146,17 @@ class NgramGeneration(InProcessBackend):
             active = still
         return results
 
-    def _ended(
-        self,
-        reason: str,
-        tokens: list[int],
-        logprobs: list[float],
-        version: int,
-        versions: list[int],
-    ) -> RowResult:
+    def _ended(self, generated: GeneratedRows, row: int, reason: str, now: int) -> RowResult:
         """A finished row's result; an engine failure (``"error"``) raises."""
-        return RowResult.ended(
-            reason, tokens, logprobs, weight_version=version, weight_versions=versions
-        )
+        return generated.ended(row, reason, now)
 
-    def _score_rows(self, batch: ScoreBatch) -> list[torch.Tensor]:
+    def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
         per_row = []
         with self.gate.step(self.gate.enter()):
             for sequence, prompt_length in zip(batch.sequences, batch.prompt_lengths):
                 logits = self.model.sequence_logits(sequence[:-1])[prompt_length - 1 :]
-                response = torch.tensor(sequence[prompt_length:])
-                per_row.append(logits.log_softmax(-1).gather(1, response[:, None]).squeeze(1))
+                response = torch.tensor(sequence[prompt_length:], dtype=torch.int64)
+                per_row.append(scored_row(logits.log_softmax(-1), response, top_logprobs))
         return per_row
 
     def _write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

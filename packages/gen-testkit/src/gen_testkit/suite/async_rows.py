@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from gen_interface import GenerationInterface
+from gen_interface import GenerationInterface, RowEvent
 
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.base import ConformanceSubject
@@ -57,6 +57,40 @@ class AsyncRowChecks:
                 width = int(expected["unpadded_sequence_lengths"][i])
                 assert torch.equal(row["output_ids"][0], expected["output_ids"][i, :width])
                 assert torch.equal(row["logprobs"][0], expected["logprobs"][i, :width])
+
+    def test_streamed_tokens_make_up_the_rows_generate_returns(
+        self, streaming: GenerationInterface
+    ) -> None:
+        """Each row's events carry its tokens once, in order, and end with its output."""
+        view = streaming.with_sampling(max_new_tokens=12, stop_token_ids=[], seed=5)
+        batch = pad_prompts(PROMPTS, "left")
+        batch["top_logprobs"] = torch.tensor([0, 2, 1, 3])
+        for greedy in (True, False):
+            expected = view.generate(batch, greedy=greedy)
+            events = asyncio.run(_events(view, batch, greedy))
+            for i, prompt in enumerate(PROMPTS):
+                mine = [e for e in events if e.index == i]
+                assert [e.finished for e in mine] == [False] * (len(mine) - 1) + [True]
+                start, g = len(prompt), int(expected["generation_lengths"][i])
+                tokens = [t for e in mine for t in e.token_ids]
+                assert tokens == expected["output_ids"][i, start : start + g].tolist()
+                logprobs = torch.tensor([lp for e in mine for lp in e.logprobs])
+                assert torch.equal(logprobs, expected["logprobs"][i, start : start + g])
+                top = [ids for e in mine for ids in e.topk_ids]
+                k = int(batch["top_logprobs"][i])
+                assert top == expected["topk_ids"][i, start : start + g, :k].tolist()
+                final = mine[-1].output
+                assert final is not None
+                assert torch.equal(final["output_ids"][0], expected["output_ids"][i, : start + g])
+
+    def test_tokens_arrive_before_their_row_ends(self, streaming: GenerationInterface) -> None:
+        """With ``capabilities.token_streaming``, a long row sends its tokens as they come."""
+        if not streaming.capabilities.token_streaming:
+            pytest.skip("backend streams whole rows")
+        view = streaming.with_sampling(max_new_tokens=48, stop_token_ids=[])
+        events = asyncio.run(_events(view, pad_prompts(PROMPTS[:1], "left"), True))
+        assert len(events) > 8, f"48 tokens came in {len(events)} events"
+        assert len(events[0].token_ids) < 48
 
     def test_short_rows_arrive_before_long_ones(self, streaming: GenerationInterface) -> None:
         long = 96
@@ -129,6 +163,10 @@ def _traced(run: Any) -> tuple[int, int]:
     finally:
         tracemalloc.stop()
     return peak, left
+
+
+async def _events(view: GenerationInterface, batch: Any, greedy: bool) -> list[RowEvent]:
+    return [event async for event in view.generate_stream(batch, greedy)]
 
 
 async def _collect(view: GenerationInterface, batch: Any, greedy: bool) -> list[tuple[int, Any]]:
