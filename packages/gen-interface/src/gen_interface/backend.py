@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, cast
@@ -313,6 +314,10 @@ class GenerationBackend(GenerationInterface):
 
     # ---- life cycle ----------------------------------------------------------------------
 
+    @property
+    def state(self) -> str:
+        return self._lifecycle.state
+
     def prepare_for_generation(
         self, *args: Any, tags: list[str] | None = None, **kwargs: Any
     ) -> None:
@@ -370,10 +375,10 @@ class GenerationBackend(GenerationInterface):
                 describe_slots(bucket["tensors"]), lambda: self._load_broadcast(bucket)
             )
 
-    def commit_weight_update(self) -> int:
+    def commit_weight_update(self, version: int | None = None) -> int:
         weights = self._weight_updates("commit_weight_update")
         with self._lifecycle.breaks_on_fatal():
-            return weights.commit()
+            return weights.commit(version)
 
     def abort_weight_update(self) -> None:
         weights = self._weight_updates("abort_weight_update")
@@ -442,13 +447,25 @@ class GenerationBackend(GenerationInterface):
             on_token=on_token if tokens else None,
         )
 
-        def run() -> Sequence[RowResult | None]:
-            try:
-                return self._run_rows(call, control)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+        worker: asyncio.Future[Sequence[RowResult | None]] = loop.create_future()
 
-        worker = loop.run_in_executor(None, run)
+        def settle(outcome: Any, error: BaseException | None) -> None:
+            if not worker.done():
+                worker.set_exception(error) if error else worker.set_result(outcome)
+            queue.put_nowait(None)
+
+        def run() -> None:
+            outcome: Any = None
+            error: BaseException | None = None
+            try:
+                outcome = self._run_rows(call, control)
+            except BaseException as exc:
+                error = exc
+            loop.call_soon_threadsafe(settle, outcome, error)
+
+        # A thread of its own per call, not a pool's: calls run side by side (in-process
+        # backends interleave them step by step), so a short one never waits for a long one.
+        threading.Thread(target=run, name=f"{type(self).__name__}-call", daemon=True).start()
         finished: set[int] = set()
         try:
             while (item := await queue.get()) is not None:

@@ -161,6 +161,12 @@ class GenerationInterface(ABC):
         """What this backend can do. Default: nothing beyond the abstract methods."""
         return BackendCapabilities()
 
+    @property
+    def state(self) -> str:
+        """``"ready"``, ``"finished"`` (after ``finish_generation``), ``"shut down"`` or
+        ``"broken"`` (see ``gen_interface.lifecycle``). Default: ``"ready"``."""
+        return "ready"
+
     def with_sampling(self, **overrides: Any) -> GenerationInterface:
         """Another front end on the same model and weights, with other per-call settings.
 
@@ -305,18 +311,34 @@ class GenerationInterface(ABC):
             f"{type(self).__name__} does not support update_weights_from_collective"
         )
 
-    def commit_weight_update(self) -> int:
+    def commit_weight_update(self, version: int | None = None) -> int:
         """Close the open transaction: check that every weight arrived and every worker took
         the same weights, then set the weight version.
+
+        Args:
+            version: the version to label the new weights with, when it is only known now
+                (vLLM's ``finish_weight_update(weight_version)``); default: the one
+                ``start_weight_update`` chose.
 
         Returns:
             The committed version.
 
         Raises:
-            WeightUpdateError: no transaction is open, weights are missing (the transaction is
-                aborted), or workers disagree (the backend is then broken).
+            WeightUpdateError: no transaction is open, ``version`` is not an integer >= 0,
+                weights are missing (the transaction is aborted), or workers disagree (the
+                backend is then broken).
         """
         raise NotImplementedError(f"{type(self).__name__} does not support commit_weight_update")
+
+    def invalidate_kv_cache(self) -> bool:
+        """Drop cached keys and values of finished prompts (a prefix cache), so later rows
+        recompute them; NeMo RL's name. Rows running keep theirs.
+
+        Returns:
+            True when nothing stays cached (the default: the backend caches nothing between
+            calls), False when the cache could not be dropped yet (rows still hold it).
+        """
+        return True
 
     def abort_weight_update(self) -> None:
         """Drop the open transaction (a no-op when none is open).

@@ -33,7 +33,7 @@ __all__ = [
 
 Architecture = Literal["qwen2", "llama"]
 
-_FORMAT = 1  # bump when the build recipe changes, so old caches are not reused
+_FORMAT = 2  # bump when the build recipe changes, so old caches are not reused (2: chat template)
 _SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 
 
@@ -247,7 +247,17 @@ def _write_tokenizer(spec: TinyModelSpec, out: Path) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+    fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(out)
+
+
+#: A small chat template (turns between ``<s>`` and ``</s>``, tool definitions as JSON), so the
+#: chat routes of a server can be tested on the tiny models.
+_CHAT_TEMPLATE = (
+    "{% if tools %}<s>tools\n{{ tools | tojson }}</s>\n{% endif %}"
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 
 # A fixed training text for the tokenizer's merges: any text works, it only has to be fixed.

@@ -19,6 +19,7 @@ from gen_interface import (
     GenerationBackend,
     GenerationCall,
     GenerationConfig,
+    GenerationError,
     InFlight,
     RowResult,
 )
@@ -239,6 +240,12 @@ class VllmGeneration(GenerationBackend):
         return [_scored_row(row, top_logprobs) for shard in results for row in (shard or [])]
 
     # ---- life cycle --------------------------------------------------------------------------
+
+    def invalidate_kv_cache(self) -> bool:
+        """Reset every replica's prefix cache; False while some rows still hold blocks."""
+        with self._lifecycle.breaks_on_fatal():
+            self._lifecycle.check_open(GenerationError)
+            return all(self.replicas.reset_prefix_cache())
 
     def _wake(self, resources: tuple[Resource, ...]) -> None:
         self.replicas.wake_up(list(resources))

@@ -150,8 +150,10 @@ class ReplicaSet:
             [a.wake_up.remote(tags) for a in self.actors], self.timeouts.control_s, "wake_up"
         )
 
-    def reset_prefix_cache(self) -> None:
-        self._wait(
+    def reset_prefix_cache(self) -> list[bool]:
+        """Drop every replica's cached prefixes; each one's answer (False while rows hold
+        blocks)."""
+        return self._wait(
             [a.reset_prefix_cache.remote() for a in self.actors],
             self.timeouts.control_s,
             "reset_prefix_cache",

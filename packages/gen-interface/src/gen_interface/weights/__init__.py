@@ -39,6 +39,8 @@ from gen_interface.weights.handles import (
     WeightBucket,
     WeightHandles,
     describe_weight_handles,
+    handles_from_json,
+    handles_to_json,
 )
 from gen_interface.weights.producer import DEFAULT_BUCKET_BYTES, SharedWeights, share_weights
 from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, Refitter, refit
@@ -68,6 +70,8 @@ __all__ = [
     "describe_weight_handles",
     "handles_checksum",
     "handles_for_device",
+    "handles_from_json",
+    "handles_to_json",
     "iter_shared_weights",
     "join_weight_group",
     "merge_weight_handles",

@@ -23,6 +23,8 @@ __all__ = [
     "describe_weight_handles",
     "dtype_from_name",
     "dtype_name",
+    "handles_from_json",
+    "handles_to_json",
 ]
 
 HANDLES_FORMAT = 2
@@ -196,3 +198,37 @@ def describe_weight_handles(
                 "place must hold a full copy of the same weights"
             )
     return first
+
+
+def handles_to_json(handles: Mapping[str, Any]) -> dict[str, Any]:
+    """``handles`` as JSON-ready data (``ipc_args`` bytes as base64 text), for an HTTP server."""
+    import base64
+
+    out = dict(handles)
+    out["buckets"] = [
+        {**bucket, "ipc_args": base64.b64encode(bucket.get("ipc_args", b"")).decode()}
+        for bucket in handles["buckets"]
+    ]
+    return out
+
+
+def handles_from_json(data: Mapping[str, Any]) -> WeightHandles:
+    """What ``handles_to_json`` wrote, back as ``WeightHandles`` (checked when they are read).
+
+    Raises:
+        WeightUpdateError: the data is not handles.
+    """
+    import base64
+    import binascii
+
+    buckets = data.get("buckets")
+    if not isinstance(buckets, list) or not all(isinstance(b, Mapping) for b in buckets):
+        raise WeightUpdateError("weight handles need a list of `buckets`")
+    try:
+        decoded = [
+            {**bucket, "ipc_args": base64.b64decode(str(bucket.get("ipc_args", "")))}
+            for bucket in buckets
+        ]
+    except (binascii.Error, ValueError) as exc:
+        raise WeightUpdateError(f"a bucket's ipc_args is not base64: {exc}") from exc
+    return {**dict(data), "buckets": decoded}  # type: ignore[typeddict-item]

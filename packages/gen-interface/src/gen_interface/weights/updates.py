@@ -134,10 +134,14 @@ class WeightUpdates:
                 self.abort()
                 raise
 
-    def commit(self) -> int:
+    def commit(self, version: int | None = None) -> int:
         """Close the transaction; see ``GenerationInterface.commit_weight_update``."""
         with self._lock:
             txn = self._require_open("commit_weight_update")
+            if version is not None:
+                txn.version = next_version(self.version, version)  # checks it is an int >= 0
+                with self._changed:
+                    self.announced = max(self.announced, txn.version)
             try:
                 txn.check_complete()
             except WeightUpdateError:

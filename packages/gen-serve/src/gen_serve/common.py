@@ -1,0 +1,164 @@
+"""What the generating routes share: a request's rows, running them, prompt scores, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import torch
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from gen_interface import BatchedDataDict
+
+from gen_serve.errors import ApiError, error_body, status_of
+from gen_serve.protocol import SamplingFields
+from gen_serve.rows import RowPlan, plan_rows
+from gen_serve.runner import RowOutcome, until_disconnected
+from gen_serve.state import ServerState
+
+__all__ = [
+    "PromptScores",
+    "guarded",
+    "plan_for",
+    "primed",
+    "prompt_logprobs_json",
+    "prompt_scores",
+    "run_plan",
+    "sse",
+    "sse_response",
+]
+
+T = TypeVar("T")
+
+#: A prompt's teacher-forced scores: per position t >= 1, (token, logprob, top ids, top logprobs).
+PromptScores = list[tuple[int, float, list[int], list[float]]]
+
+
+def plan_for(
+    state: ServerState,
+    prompts: list[list[int]],
+    fields: SamplingFields,
+    max_tokens: int | None,
+    top_logprobs: int,
+) -> RowPlan:
+    limit = state.settings.max_logprobs
+    asked = max(top_logprobs, fields.prompt_logprobs or 0)
+    if asked > limit:
+        raise ApiError(
+            400,
+            f"Requested top_logprobs of {asked}, which is greater than max allowed: {limit}",
+            "logprobs",
+        )
+    return plan_rows(
+        prompts,
+        fields,
+        max_tokens=max_tokens,
+        top_logprobs=top_logprobs,
+        defaults=state.settings.defaults,
+        eos_token_id=state.eos_token_id,
+        context_limit=state.context_limit,
+        pad_token_id=int(state.backend.config["pad_token_id"]),
+        max_rows=state.settings.max_rows_per_request,
+    )
+
+
+async def run_plan(
+    state: ServerState, request: Request, plan: RowPlan, request_id: str
+) -> list[RowOutcome]:
+    """Every row of ``plan`` to its end; a client that disconnects first ends them at once."""
+    work = asyncio.ensure_future(state.runner.run(plan))
+    state.requests[request_id] = work
+    try:
+        return await until_disconnected(request.receive, work)
+    except asyncio.CancelledError as exc:
+        if work.cancelled() and request_id in state.requests:  # aborted through the API
+            raise ApiError(499, "the request was aborted (/abort_requests)") from exc
+        raise
+    finally:
+        state.requests.pop(request_id, None)
+
+
+async def prompt_scores(state: ServerState, prompt: list[int], top_logprobs: int) -> PromptScores:
+    """Teacher-forced raw logprobs of ``prompt``'s tokens after the first, with its top-k."""
+    if len(prompt) < 2:
+        return []
+    data: BatchedDataDict[Any] = BatchedDataDict(
+        input_ids=torch.tensor([prompt]),
+        prompt_lengths=torch.tensor([1]),
+        unpadded_sequence_lengths=torch.tensor([len(prompt)]),
+    )
+    scored = await asyncio.to_thread(state.backend.score_top_logprobs, data, top_logprobs)
+    return [
+        (
+            prompt[t],
+            float(scored["logprobs"][0, t]),
+            scored["topk_ids"][0, t].tolist(),
+            scored["topk_logprobs"][0, t].tolist(),
+        )
+        for t in range(1, len(prompt))
+    ]
+
+
+def prompt_logprobs_json(state: ServerState, prompt: list[int], scores: PromptScores) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then ``{token id: {logprob, rank,
+    decoded_token}}`` holding the prompt token and the top ones."""
+    out: list[Any] = [None] if prompt else []
+    for token, logprob, ids, lps in scores:
+        entry = {str(token): _logprob_entry(state, token, logprob, ids)}
+        for t, lp in zip(ids, lps):
+            entry.setdefault(str(t), _logprob_entry(state, t, lp, ids))
+        out.append(entry)
+    return out
+
+
+def _logprob_entry(state: ServerState, token: int, logprob: float, ids: list[int]) -> Any:
+    return {
+        "logprob": max(logprob, -9999.0),
+        "rank": ids.index(token) + 1 if token in ids else None,
+        "decoded_token": state.codec.token_text(token) if state.codec else None,
+    }
+
+
+async def primed(items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``items`` with its first item already awaited, so that a call the backend refuses
+    raises here (an HTTP error) rather than inside a stream that already answered 200."""
+    iterator = aiter(items)
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        return _empty()
+
+    async def rest() -> AsyncIterator[T]:
+        try:
+            yield first
+            async for item in iterator:
+                yield item
+        finally:
+            await iterator.aclose()  # type: ignore[attr-defined]
+
+    return rest()
+
+
+async def _empty() -> AsyncIterator[Any]:
+    return
+    yield
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Errors after the headers went out travel in the stream, then ``[DONE]`` (vLLM's way)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        yield f"data: {json.dumps(error_body(status_of(exc), str(exc)))}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,114 @@
+"""Errors in OpenAI's shape, as vLLM's server answers them: ``{"error": {message, type, param,
+code}}`` with the HTTP status in ``code``; every malformed request is a 400, never a 422."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from gen_interface import (
+    BackendBrokenError,
+    GenerationConfigError,
+    GenerationError,
+    GenerationInputError,
+    StaleWeightsError,
+    WeightsAbsentError,
+    WeightUpdateError,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+__all__ = ["ApiError", "error_body", "install_error_handlers", "status_of"]
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ApiError(Exception):
+    """A request the server answers with ``status`` and an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "Error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status of a backend's error: what the client did wrong is 4xx."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, GenerationInputError | GenerationConfigError | ValueError):
+        return 400
+    if isinstance(exc, StaleWeightsError):
+        return 409
+    if isinstance(exc, WeightsAbsentError):
+        return 503
+    if isinstance(exc, NotImplementedError):
+        return 501
+    if isinstance(exc, WeightUpdateError) and not isinstance(exc, BackendBrokenError):
+        return 409
+    return 500
+
+
+def _json(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every failure with the OpenAI error shape; nothing leaves the server as a trace."""
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return _json(exc.status, exc.message, exc.param)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in errors[:10]
+        )
+        return _json(400, f"{len(errors)} validation error(s): {message}", loc or None)
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return _json(exc.status_code, str(exc.detail))
+
+    async def generation_error(_: Request, exc: Exception) -> JSONResponse:
+        status = status_of(exc)
+        if status >= 500:
+            logger.error("request failed: %s", exc)
+        return _json(status, str(exc))
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for error in (GenerationError, ValueError, NotImplementedError):
+        app.add_exception_handler(error, generation_error)

@@ -1,0 +1,209 @@
+"""Response bodies in vLLM's shapes: choices, the three logprob formats, usage, weight versions.
+
+Logprob entries list the chosen token first, then the likeliest others, as vLLM's engine does;
+``-inf`` is sent as -9999.0. Token strings are the token's own text, or ``"token_id:N"`` when the
+request asks for ``return_tokens_as_token_ids``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from gen_serve.codec import TextCodec
+from gen_serve.runner import RowOutcome
+
+__all__ = [
+    "chat_logprobs",
+    "completion_logprobs",
+    "created",
+    "generate_logprobs",
+    "new_id",
+    "ranked",
+    "row_text",
+    "token_string",
+    "usage",
+    "weight_version_spans",
+]
+
+
+def new_id(prefix: str, given: str | None = None) -> str:
+    return f"{prefix}-{given or uuid.uuid4().hex[:16]}"
+
+
+def created() -> int:
+    return int(time.time())
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, -9999.0) if not math.isnan(logprob) else -9999.0
+
+
+def token_string(codec: TextCodec | None, token: int, as_ids: bool) -> str:
+    if as_ids or codec is None:
+        return f"token_id:{token}"
+    return codec.token_text(token)
+
+
+def ranked(
+    token: int, logprob: float, top_ids: Sequence[int], top_logprobs: Sequence[float]
+) -> list[tuple[int, float, int | None]]:
+    """``(token, logprob, rank)`` entries: the chosen token first, then the top ones not it.
+    Ranks count from 1 among the top ones; the chosen token's is None when it is not there."""
+    entries: list[tuple[int, float, int | None]] = []
+    rank = top_ids.index(token) + 1 if token in top_ids else None
+    entries.append((token, clamp(logprob), rank))
+    for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+        if t != token:
+            entries.append((t, clamp(lp), r))
+    return entries
+
+
+def completion_logprobs(
+    codec: TextCodec | None,
+    outcome: RowOutcome,
+    *,
+    as_ids: bool,
+    start: int = 0,
+    offset: int = 0,
+    prompt: Sequence[tuple[int, float | None, Sequence[int], Sequence[float]]] = (),
+) -> dict[str, Any]:
+    """vLLM's ``CompletionLogProbs`` of tokens ``start:`` of ``outcome`` (after ``prompt``'s
+    entries when echoing: ``(token, logprob or None for the first, top ids, top logprobs)``)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    steps = list(prompt) + [
+        (t, lp, ids, lps)
+        for t, lp, ids, lps in zip(
+            outcome.token_ids[start:],
+            outcome.logprobs[start:],
+            outcome.topk_ids[start:],
+            outcome.topk_logprobs[start:],
+        )
+    ]
+    for token, logprob, ids, lps in steps:
+        tokens.append(token_string(codec, token, as_ids))
+        if logprob is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(clamp(logprob))
+        top.append(
+            {token_string(codec, t, as_ids): lp for t, lp, _ in ranked(token, logprob, ids, lps)}
+        )
+    offsets = []
+    for piece in tokens:
+        offsets.append(offset)
+        offset += len(piece)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
+
+
+def chat_logprobs(
+    codec: TextCodec | None, outcome: RowOutcome, *, top_k: int, as_ids: bool, start: int = 0
+) -> dict[str, Any]:
+    """vLLM's ``ChatCompletionLogProbs``: ``top_logprobs`` are the first ``top_k`` entries of
+    ``ranked`` (the chosen token first)."""
+    content = []
+    for token, logprob, ids, lps in zip(
+        outcome.token_ids[start:],
+        outcome.logprobs[start:],
+        outcome.topk_ids[start:],
+        outcome.topk_logprobs[start:],
+    ):
+        entries = ranked(token, logprob, ids, lps)[:top_k]
+        content.append(
+            {
+                "token": token_string(codec, token, as_ids),
+                "logprob": clamp(logprob),
+                "bytes": _bytes(codec, token),
+                "top_logprobs": [
+                    {
+                        "token": token_string(codec, t, as_ids),
+                        "logprob": lp,
+                        "bytes": _bytes(codec, t),
+                    }
+                    for t, lp, _ in entries
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def generate_logprobs(outcome: RowOutcome, *, top_k: int, start: int = 0) -> dict[str, Any]:
+    """The token route's logprobs: ``{token_id, logprob, rank, top_logprobs}`` per token, with
+    the first ``max(top_k, 1)`` ranked entries."""
+    content = []
+    for token, logprob, ids, lps in zip(
+        outcome.token_ids[start:],
+        outcome.logprobs[start:],
+        outcome.topk_ids[start:],
+        outcome.topk_logprobs[start:],
+    ):
+        entries = ranked(token, logprob, ids, lps)
+        content.append(
+            {
+                "token_id": token,
+                "logprob": entries[0][1],
+                "rank": entries[0][2],
+                "top_logprobs": [
+                    {"token_id": t, "logprob": lp, "rank": r}
+                    for t, lp, r in entries[: max(top_k, 1)]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def row_text(
+    codec: TextCodec | None,
+    outcome: RowOutcome,
+    *,
+    skip_special_tokens: bool,
+    include_stop_str: bool,
+) -> str:
+    """A row's text; a stop string that ended it is cut off unless asked for."""
+    if codec is None:
+        return ""
+    text = codec.decode(outcome.token_ids, skip_special_tokens=skip_special_tokens)
+    stop = outcome.stop_reason
+    if isinstance(stop, str) and not include_stop_str:
+        at = text.find(stop)
+        if at >= 0:
+            text = text[:at]
+    return text
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def weight_version_spans(versions: Sequence[int]) -> list[dict[str, Any]]:
+    """vLLM's ``weight_versions`` spans: ``[{"version", "start", "end"}]`` over output tokens."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(version), "start": i, "end": i + 1})
+    return spans
+
+
+def _bytes(codec: TextCodec | None, token: int) -> list[int] | None:
+    if codec is None:
+        return None
+    return list(codec.token_text(token).encode("utf-8", errors="replace"))
