@@ -3,7 +3,8 @@
 The engine is not thread-safe, so one thread owns it: it runs queued commands (add, abort, weight
 loads, sleep, ...) between steps and steps while requests are pending. Coroutines on the worker's
 event loop submit commands and await their results; each request's future resolves when its row
-finishes, so rows come back as they finish, whatever else is running.
+finishes, so rows come back as they finish, whatever else is running. Rows that asked to stream
+also report each step's new tokens to ``feed``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any, TypeVar, cast, get_args
 from gen_interface import BackendBrokenError, FinishReason, GenerationError
 
 from gen_vllm.engine import EngineProtocol, StepOutput
-from gen_vllm.messages import RowOutput, RowRequest
+from gen_vllm.messages import RowOutput, RowRequest, TokenDelta
+from gen_vllm.token_feed import TokenFeed
 
 __all__ = ["EngineFailedError", "EngineLoop"]
 
@@ -38,6 +40,7 @@ class _Pending:
     """A request in the engine and what it has produced so far."""
 
     future: asyncio.Future[RowOutput]
+    stream: bool = False
     output: RowOutput = field(default_factory=RowOutput)
 
 
@@ -69,6 +72,8 @@ class EngineLoop:
         self._stopped = False
         self._failure: str | None = None
         self._version = 0
+        #: New tokens of the rows that stream, step by step.
+        self.feed = TokenFeed()
         built: concurrent.futures.Future[EngineProtocol] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(build, num_threads, built), name=name, daemon=True
@@ -85,7 +90,7 @@ class EngineLoop:
         def add() -> None:
             self._check_usable()
             self.engine.add_request(request.request_id, request.prompt, request.params)
-            self._pending[request.request_id] = _Pending(future)
+            self._pending[request.request_id] = _Pending(future, request.stream)
 
         try:
             await self.call(add)
@@ -224,13 +229,25 @@ class EngineLoop:
             )
             self._fail_all(self._failure, EngineFailedError)
             return
+        deltas: list[TokenDelta] = []
         for step in outputs:
-            self._record(step)
+            self._record(step, deltas)
+        self.feed.push(deltas)
 
-    def _record(self, step: StepOutput) -> None:
+    def _record(self, step: StepOutput, deltas: list[TokenDelta]) -> None:
         pending = self._pending.get(step.request_id)
         if pending is None:
             return
+        if pending.stream and step.token_ids:
+            deltas.append(
+                TokenDelta(
+                    step.request_id,
+                    step.token_ids,
+                    step.logprobs,
+                    step.topk_ids or [],
+                    step.topk_logprobs or [],
+                )
+            )
         out = pending.output
         out.token_ids.extend(step.token_ids)
         out.logprobs.extend(step.logprobs)

@@ -21,6 +21,7 @@ from gen_interface import (
     GenerationConfig,
     GenerationError,
     InFlight,
+    RowEvent,
     RowResult,
 )
 from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
@@ -35,11 +36,12 @@ from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for
-from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens
+from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens, TokenDelta
 from gen_vllm.params import row_sampling_params
 from gen_vllm.receive import LoadInfo
 from gen_vllm.replicas import ReplicaSet, Timeouts
 from gen_vllm.router import RowRouter
+from gen_vllm.token_streams import TokenStreams
 from gen_vllm.update_steps import ReplicaUpdateSteps
 
 __all__ = ["VllmGeneration"]
@@ -108,6 +110,7 @@ class VllmGeneration(GenerationBackend):
         first = self.replicas.infos[0]
         self._loop = BackgroundLoop()
         self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
+        self._token_streams = TokenStreams(self.replicas)
         self._calls = itertools.count()
         self._updates = ReplicaUpdateSteps(self.replicas)
         super().__init__(
@@ -180,6 +183,7 @@ class VllmGeneration(GenerationBackend):
             devices=("cuda",) if on_gpu else ("cpu",),
             score=True,
             stop_strings=self.has_tokenizer,
+            token_streaming=True,
             notes=tuple(notes),
         )
 
@@ -209,8 +213,39 @@ class VllmGeneration(GenerationBackend):
         async for index, row in rows:
             yield index, _row_result(row)
 
-    def _requests(self, call: GenerationCall) -> tuple[list[RowRequest], list[int]]:
-        """Each row's request (ids unique among calls in flight) and its token budget."""
+    async def _stream_events(
+        self, call: GenerationCall, *, tokens: bool = True
+    ) -> AsyncIterator[tuple[int, RowEvent | RowResult]]:
+        if not tokens:
+            async for whole_row in self._stream_rows(call):
+                yield whole_row
+            return
+        requests, costs = self._requests(call, stream=True)
+        timeout_s = self.replicas.timeouts.generate_s
+        steps = self._loop.stream(
+            lambda: self._token_streams.run(requests, self._router.run(requests, costs, timeout_s))
+        )
+        async for index, step in steps:
+            if isinstance(step, TokenDelta):
+                no_top: list[list[Any]] = [[] for _ in step.token_ids]
+                yield (
+                    index,
+                    RowEvent(
+                        index,
+                        step.token_ids,
+                        step.logprobs,
+                        step.topk_ids or no_top,
+                        step.topk_logprobs or no_top,
+                    ),
+                )
+            else:
+                yield index, _row_result(step)
+
+    def _requests(
+        self, call: GenerationCall, *, stream: bool = False
+    ) -> tuple[list[RowRequest], list[int]]:
+        """Each row's request (ids unique among calls in flight) and its token budget;
+        ``stream``: the rows report their tokens as they come."""
         prompts = call.prompts.prompts()
         params = row_sampling_params(
             call.sampling,
@@ -219,7 +254,7 @@ class VllmGeneration(GenerationBackend):
         )
         number = next(self._calls)
         requests = [
-            RowRequest(f"{number}-{i}", prompt, p)
+            RowRequest(f"{number}-{i}", prompt, p, stream)
             for i, (prompt, p) in enumerate(zip(prompts, params))
         ]
         return requests, [p["max_tokens"] for p in params]

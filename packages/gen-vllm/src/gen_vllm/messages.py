@@ -10,7 +10,7 @@ from typing import Any, TypedDict
 
 from gen_interface import FinishReason
 
-__all__ = ["RowOutput", "RowRequest", "ScoredTokens", "UpdateReport", "WorkerInfo"]
+__all__ = ["RowOutput", "RowRequest", "ScoredTokens", "TokenDelta", "UpdateReport", "WorkerInfo"]
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,32 @@ class RowRequest:
         request_id: unique among the requests in flight on a worker.
         prompt: the prompt's token ids.
         params: ``vllm.SamplingParams`` keyword arguments (see ``params.row_sampling_params``).
+        stream: report the row's new tokens as they come (``TokenFeed``), not only at its end.
     """
 
     request_id: str
     prompt: list[int]
     params: dict[str, Any]
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one streaming row, from one engine step.
+
+    Attributes:
+        request_id: the row's request.
+        token_ids: the tokens.  # [n]
+        logprobs: their log-probabilities.  # [n]
+        topk_ids, topk_logprobs: per token, the row's top logprobs (empty when it asked for
+            none).  # [n][k]
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
 
 
 @dataclass

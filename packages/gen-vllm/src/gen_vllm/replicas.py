@@ -119,6 +119,10 @@ class ReplicaSet:
         """Start one row on ``replica``; returns its Ray ``ObjectRef`` (await it, or cancel it)."""
         return self.actors[replica].generate.remote(request)
 
+    def token_deltas(self, replica: int, timeout_s: float) -> Any:
+        """Poll ``replica`` for its streaming rows' new tokens; returns the ``ObjectRef``."""
+        return self.actors[replica].token_deltas.remote(timeout_s)
+
     def rows_in_flight(self) -> list[int]:
         """How many rows each replica's engine holds now."""
         return self._wait(

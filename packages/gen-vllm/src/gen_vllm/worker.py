@@ -22,7 +22,14 @@ from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
-from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens, UpdateReport, WorkerInfo
+from gen_vllm.messages import (
+    RowOutput,
+    RowRequest,
+    ScoredTokens,
+    TokenDelta,
+    UpdateReport,
+    WorkerInfo,
+)
 from gen_vllm.receive import LoadInfo
 
 __all__ = ["VllmGenerationWorker"]
@@ -117,6 +124,11 @@ class VllmGenerationWorker:
     async def generate(self, request: RowRequest) -> RowOutput:
         """Generate one row; returns when it finishes. Cancelling the call aborts the row."""
         return await self._loop.generate(request)
+
+    async def token_deltas(self, timeout_s: float) -> list[TokenDelta]:
+        """The new tokens of streaming rows since the last call, in order; waits up to
+        ``timeout_s`` for some when there are none yet."""
+        return await self._loop.feed.take(timeout_s)
 
     async def score(
         self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 0
