@@ -53,6 +53,7 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
             "skip_tokenizer_init": st.booleans(),
             "logprobs_mode": st.sampled_from(["raw_logprobs", "processed_logprobs"]),
             "async_engine": st.booleans(),
+            "max_logprobs": st.integers(0, 4096),
         },
     }
     valid[""]["vllm_cfg"] = st.fixed_dictionaries({}, optional=valid["vllm_cfg"])

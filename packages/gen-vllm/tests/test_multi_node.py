@@ -409,7 +409,7 @@ def _run_on(
         "scores": [
             scored[i, s : len(q)].tolist() for i, (s, q) in enumerate(zip(starts, sequences))
         ],
-        "replica_scores": [rows[0] for rows in direct],
+        "replica_scores": [rows[0]["logprobs"] for rows in direct],
     }
 
 

@@ -180,6 +180,8 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "temperature": st.floats(0.0, 10.0),
             "top_p": st.floats(0.01, 1.0),
             "top_k": st.none() | st.just(-1) | st.integers(1, 10**6),
+            "min_p": st.floats(0.0, 1.0),
+            "top_logprobs": st.integers(0, 20),
             "stop_token_ids": st.none() | st.lists(token, max_size=3),
             "stop_strings": st.none(),  # a tokenizer is checked for by the backend, not here
             "pad_token_id": token,
