@@ -1,34 +1,33 @@
-"""Mixed-length throughput of ``generate`` against ``generate_async``, and serving while refitting.
+"""Mixed-length throughput of ``generate``, ``generate_async`` and ``generate_stream``, and
+serving while refitting.
 
-    uv run python tools/bench/async_throughput.py [--model bench-50m] [--replicas 1,2] \
-        [--rows 32] [--new 8,256] [--buckets 4] [--seconds 12] [--refit-every 3]
+    uv run python tools/bench/async_throughput.py [--backends vllm,hf] [--model bench-50m] \
+        [--replicas 1,2] [--rows 256] [--new 8,256] [--seconds 12] [--refit-every 3]
 
-On a random float32 testkit model in gen-vllm (CPU, one and two replicas), sampled generation
-(temperature 1.0, fixed seed, no stop tokens, so every row runs to its own length).
+On a random float32 testkit model (CPU), sampled generation (temperature 1.0, fixed seed, no stop
+tokens, so every row runs to its own length), on gen-vllm (one engine per replica count in
+``--replicas``) and on gen-hf.
 
 Workload: ``--rows`` prompts of random token ids (ints in ``[3, vocab)``, 8-32 tokens, left
-padded); each row draws its ``max_new_tokens`` from ``--buckets`` lengths spread evenly over
-``--new`` (so one call per distinct length: ``max_new_tokens`` is a per-call setting, set on a
-``backend.with_sampling(max_new_tokens=n)`` view). The calls, one per bucket, are issued in the
-order of each bucket's first row (row 0's bucket first), as a caller that does not sort would:
+padded), each with its own ``max_new_tokens`` (per row, in the batch) drawn uniformly from
+``--new``. One call of the whole batch through each entry point, in turn:
 
-- ``generate, serial``: one ``generate`` call after another, in this thread; a row counts as
-  finished when its call returns.
-- ``generate, threads``: the same calls, each ``generate`` in a thread of its own, all at once.
-- ``generate_async``: the same calls as ``generate_async`` iterators consumed concurrently by one
-  event loop; a row counts as finished when it is yielded.
+- ``generate``: returns when every row is done.
+- ``generate_async``: yields each row as it finishes (a row counts when it is yielded).
+- ``generate_stream``: yields tokens as they are chosen (what gen-serve runs on); a row counts
+  when its last event comes.
 
-Reports total generated tokens (sum of ``generation_lengths``) per wall second and the time to
-the first finished row.
+Reports total generated tokens (sum of ``generation_lengths``) per wall second, the time to the
+first finished row, and each mode's wall time over ``generate``'s (the ratio to keep near 1).
 
 Refit loop: for ``--seconds``, ``--streams`` concurrent callers each issue ``generate_async``
-calls of ``--stream-rows`` rows (a bucket's length per call, cycling) one after another; rows
+calls of ``--stream-rows`` rows one after another (each row its own length, as above); rows
 yielded before the deadline count as served (the calls still open then are closed, which aborts
 their rows). Once without refits, then again while a thread calls
 ``Refitter(backend).refit(weights + small noise, in_flight="keep")`` every ``--refit-every``
 seconds. Reports rows served per second, the refits done (and their mean time), and how many
 served rows saw two or more weight versions over their generated tokens (``weight_versions``
-at positions ``p .. p+g-1``).
+at positions ``p .. p+g-1``). ``--seconds 0`` skips it.
 
 Prints markdown tables at the end. Run it on an otherwise idle machine.
 """
@@ -42,7 +41,6 @@ import random
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,11 +55,15 @@ from gen_testkit.strategies import pad_prompts
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="vllm,hf", help="backends to run, comma-separated")
     parser.add_argument("--model", default="bench-50m", help="testkit preset")
-    parser.add_argument("--replicas", default="1,2", help="replica counts to run, comma-separated")
-    parser.add_argument("--rows", type=int, default=32, help="rows in the mixed-length workload")
+    parser.add_argument("--replicas", default="1,2", help="gen-vllm replica counts to run")
+    parser.add_argument("--rows", type=int, default=256, help="rows in the mixed-length call")
     parser.add_argument("--new", default="8,256", help="smallest,largest max_new_tokens")
-    parser.add_argument("--buckets", type=int, default=4, help="distinct max_new_tokens values")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternated")
+    parser.add_argument(
+        "--modes", default="generate,generate_async,generate_stream", help="comma-separated"
+    )
     parser.add_argument("--seconds", type=float, default=12.0, help="length of each refit loop")
     parser.add_argument("--refit-every", type=float, default=3.0, help="seconds between refits")
     parser.add_argument("--streams", type=int, default=2, help="concurrent callers in the loop")
@@ -74,62 +76,44 @@ def parse_args() -> argparse.Namespace:
 # ---- workload ------------------------------------------------------------------------------
 
 
-@dataclass
-class Workload:
-    """Rows grouped into one call per ``max_new_tokens`` bucket, in the order calls are issued."""
-
-    calls: list[tuple[int, BatchedDataDict[Any]]]  # (max_new_tokens, padded prompts)
-
-    @property
-    def rows(self) -> int:
-        return sum(int(data["input_ids"].shape[0]) for _, data in self.calls)
-
-
-def bucket_lengths(args: argparse.Namespace) -> list[int]:
-    low, high = (int(x) for x in args.new.split(","))
-    if args.buckets == 1:
-        return [high]
-    step = (high - low) / (args.buckets - 1)
-    return [round(low + i * step) for i in range(args.buckets)]
-
-
 def random_prompts(rng: random.Random, count: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))] for _ in range(count)]
 
 
-def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
-    rng = random.Random(args.seed)
-    lengths = bucket_lengths(args)
-    prompts = random_prompts(rng, args.rows, vocab)
-    drawn = [rng.choice(lengths) for _ in prompts]
-    order = list(dict.fromkeys(drawn))  # buckets in the order of their first row
-    calls = []
-    for n in order:
-        rows = [p for p, d in zip(prompts, drawn) if d == n]
-        calls.append((n, pad_prompts(rows, "left")))
-    return Workload(calls)
+def mixed_batch(
+    rng: random.Random, rows: int, vocab: int, new: tuple[int, int]
+) -> BatchedDataDict[Any]:
+    """``rows`` random prompts, each with its own ``max_new_tokens`` in ``new``."""
+    batch = pad_prompts(random_prompts(rng, rows, vocab), "left")
+    batch["max_new_tokens"] = torch.tensor([rng.randint(*new) for _ in range(rows)])
+    return batch
 
 
-# ---- backend -------------------------------------------------------------------------------
+# ---- backends ------------------------------------------------------------------------------
+
+_TOKENIZER = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
 
 
-def build_backend(model: TinyModel, replicas: int, args: argparse.Namespace) -> Any:
-    from gen_vllm import VllmGeneration
-
-    tokenizer = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
+def build_backend(name: str, model: TinyModel, replicas: int, args: argparse.Namespace) -> Any:
     config: dict[str, Any] = {
-        "backend": "vllm",
+        "backend": name,
         "model_name": str(model.path),
-        "max_new_tokens": 8,
+        "max_new_tokens": int(args.new.split(",")[1]),
         "dtype": "float32",
         "stop_token_ids": [],
         "temperature": 1.0,
         "seed": args.seed,
-        "vllm_cfg": {"cpu_kv_cache_gib": args.kv_gib},
     }
-    return VllmGeneration.create(
-        configure_generation_config(config, tokenizer), replicas=replicas, use_gpus=False
-    )
+    if name == "vllm":
+        from gen_vllm import VllmGeneration
+
+        config["vllm_cfg"] = {"cpu_kv_cache_gib": args.kv_gib}
+        return VllmGeneration.create(
+            configure_generation_config(config, _TOKENIZER), replicas=replicas, use_gpus=False
+        )
+    from gen_hf import HfGeneration
+
+    return HfGeneration(configure_generation_config(config, _TOKENIZER))
 
 
 def generated_versions(out: BatchedDataDict[Any], row: int) -> set[int]:
@@ -139,7 +123,7 @@ def generated_versions(out: BatchedDataDict[Any], row: int) -> set[int]:
     return set(out["weight_versions"][row, p : p + g].tolist())
 
 
-# ---- mixed-length workload -----------------------------------------------------------------
+# ---- one mixed-length call -----------------------------------------------------------------
 
 
 @dataclass
@@ -151,52 +135,44 @@ class ModeResult:
     first_row_s: float = float("inf")
 
 
-def run_serial(views: dict[int, Any], work: Workload) -> ModeResult:
-    result = ModeResult("generate, serial")
+def run_generate(backend: Any, batch: BatchedDataDict[Any]) -> ModeResult:
+    result = ModeResult("generate")
     start = time.perf_counter()
-    for n, data in work.calls:
-        out = views[n].generate(data)
-        result.first_row_s = min(result.first_row_s, time.perf_counter() - start)
-        result.rows += int(out["generation_lengths"].shape[0])
-        result.tokens += int(out["generation_lengths"].sum())
-    result.seconds = time.perf_counter() - start
+    out = backend.generate(batch)
+    result.seconds = result.first_row_s = time.perf_counter() - start
+    result.rows = int(out["generation_lengths"].shape[0])
+    result.tokens = int(out["generation_lengths"].sum())
     return result
 
 
-def run_threads(views: dict[int, Any], work: Workload) -> ModeResult:
-    result = ModeResult("generate, threads")
-    lock = threading.Lock()
-    start = time.perf_counter()
-
-    def one(n: int, data: BatchedDataDict[Any]) -> None:
-        out = views[n].generate(data)
-        with lock:
-            result.first_row_s = min(result.first_row_s, time.perf_counter() - start)
-            result.rows += int(out["generation_lengths"].shape[0])
-            result.tokens += int(out["generation_lengths"].sum())
-
-    with ThreadPoolExecutor(len(work.calls)) as pool:
-        for future in [pool.submit(one, n, data) for n, data in work.calls]:
-            future.result()
-    result.seconds = time.perf_counter() - start
-    return result
-
-
-def run_async(views: dict[int, Any], work: Workload) -> ModeResult:
+def run_async(backend: Any, batch: BatchedDataDict[Any]) -> ModeResult:
     result = ModeResult("generate_async")
 
-    async def consume(n: int, data: BatchedDataDict[Any], start: float) -> None:
-        async for _, out in views[n].generate_async(data):
+    async def consume() -> None:
+        start = time.perf_counter()
+        async for _, out in backend.generate_async(batch):
             result.first_row_s = min(result.first_row_s, time.perf_counter() - start)
             result.rows += 1
             result.tokens += int(out["generation_lengths"].sum())
-
-    async def everything() -> None:
-        start = time.perf_counter()
-        await asyncio.gather(*(consume(n, data, start) for n, data in work.calls))
         result.seconds = time.perf_counter() - start
 
-    asyncio.run(everything())
+    asyncio.run(consume())
+    return result
+
+
+def run_stream(backend: Any, batch: BatchedDataDict[Any]) -> ModeResult:
+    result = ModeResult("generate_stream")
+
+    async def consume() -> None:
+        start = time.perf_counter()
+        async for event in backend.generate_stream(batch):
+            if event.output is not None:
+                result.first_row_s = min(result.first_row_s, time.perf_counter() - start)
+                result.rows += 1
+                result.tokens += int(event.output["generation_lengths"].sum())
+        result.seconds = time.perf_counter() - start
+
+    asyncio.run(consume())
     return result
 
 
@@ -214,13 +190,10 @@ class LoopResult:
 
 
 def serve_loop(
-    views: dict[int, Any],
-    args: argparse.Namespace,
-    vocab: int,
-    refit: Callable[[], None] | None,
+    backend: Any, args: argparse.Namespace, vocab: int, refit: Callable[[], None] | None
 ) -> LoopResult:
     result = LoopResult(refitting=refit is not None)
-    lengths = list(views)
+    new = _new_range(args)
     stop_refits = threading.Event()
 
     def refitter() -> None:
@@ -236,14 +209,10 @@ def serve_loop(
 
     async def caller(index: int, deadline: float) -> None:
         rng = random.Random(args.seed * 1000 + index)
-        call = index
         while time.perf_counter() < deadline:
-            n = lengths[call % len(lengths)]
-            call += 1
-            data = pad_prompts(random_prompts(rng, args.stream_rows, vocab), "left")
-            stream: AsyncGenerator[tuple[int, BatchedDataDict[Any]], None] = views[
-                n
-            ].generate_async(data)
+            data = mixed_batch(rng, args.stream_rows, vocab, new)
+            stream: AsyncGenerator[tuple[int, BatchedDataDict[Any]], None]
+            stream = backend.generate_async(data)
             try:
                 while True:
                     remaining = deadline - time.perf_counter()
@@ -279,76 +248,90 @@ def serve_loop(
 # ---- main ----------------------------------------------------------------------------------
 
 
-def measure(
-    replicas: int, model: TinyModel, weights: dict[str, torch.Tensor], args: argparse.Namespace
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    start = time.perf_counter()
-    backend = build_backend(model, replicas, args)
-    print(f"x{replicas}: engines up in {time.perf_counter() - start:.1f} s", flush=True)
-    modes: list[dict[str, Any]] = []
-    loops: list[dict[str, Any]] = []
-    try:
-        views = {n: backend.with_sampling(max_new_tokens=n) for n in bucket_lengths(args)}
-        work = build_workload(args, model.vocab_size)
-        warm = pad_prompts(
-            random_prompts(random.Random(-1), 2 * replicas, model.vocab_size), "left"
-        )
-        backend.generate(warm)  # first-call costs stay out of the timings
-        for run in (run_serial, run_threads, run_async):
-            try:
-                r = run(views, work)
-            except Exception as error:
-                print(f"  {run.__name__} failed: {type(error).__name__}: {error}", flush=True)
-                continue
-            modes.append(
-                {
-                    "replicas": replicas,
-                    "mode": r.mode,
-                    "rows": r.rows,
-                    "tokens": r.tokens,
-                    "seconds": r.seconds,
-                    "tokens_s": r.tokens / r.seconds,
-                    "first_row_s": r.first_row_s,
-                }
-            )
+def _new_range(args: argparse.Namespace) -> tuple[int, int]:
+    low, high = (int(x) for x in args.new.split(","))
+    return low, high
+
+
+def measure_modes(
+    backend: Any, label: str, model: TinyModel, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Each mode on the same batch, ``--repeats`` times, alternating modes."""
+    batch = mixed_batch(random.Random(args.seed), args.rows, model.vocab_size, _new_range(args))
+    warm = pad_prompts(random_prompts(random.Random(-1), 4, model.vocab_size), "left")
+    backend.generate(warm)  # first-call costs stay out of the timings
+    runs: dict[str, list[ModeResult]] = {}
+    chosen = args.modes.split(",")
+    modes = {"generate": run_generate, "generate_async": run_async, "generate_stream": run_stream}
+    for _ in range(args.repeats):
+        for run in (modes[name] for name in chosen):
+            r = run(backend, batch)
+            runs.setdefault(r.mode, []).append(r)
             print(
-                f"  {r.mode:18s} {r.rows} rows {r.tokens} tokens in {r.seconds:6.2f} s: "
+                f"  {label} {r.mode:16s} {r.rows} rows {r.tokens} tokens in {r.seconds:6.2f} s: "
                 f"{r.tokens / r.seconds:7.1f} tokens/s, first row after {r.first_row_s:.2f} s",
                 flush=True,
             )
-        refitter = Refitter(backend)
+    base = min(r.seconds for r in runs.get("generate", next(iter(runs.values()))))
+    rows = []
+    for mode, results in runs.items():
+        best = min(results, key=lambda r: r.seconds)  # the run least disturbed by other load
+        rows.append(
+            {
+                "backend": label,
+                "mode": mode,
+                "rows": best.rows,
+                "tokens": best.tokens,
+                "seconds": best.seconds,
+                "tokens_s": best.tokens / best.seconds,
+                "first_row_s": best.first_row_s,
+                "ratio": best.seconds / base,
+            }
+        )
+    return rows
 
-        def refit() -> None:
-            refitter.refit(weights, in_flight="keep")
 
+def measure_loops(
+    backend: Any,
+    label: str,
+    model: TinyModel,
+    weights: dict[str, torch.Tensor],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    loops: list[dict[str, Any]] = []
+    refitter = Refitter(backend)
+
+    def refit() -> None:
+        refitter.refit(weights, in_flight="keep")
+
+    try:
         for loop_refit in (None, refit):
-            r2 = serve_loop(views, args, model.vocab_size, loop_refit)
-            mean = sum(r2.refit_times) / len(r2.refit_times) if r2.refit_times else float("nan")
+            r = serve_loop(backend, args, model.vocab_size, loop_refit)
+            mean = sum(r.refit_times) / len(r.refit_times) if r.refit_times else float("nan")
             loops.append(
                 {
-                    "replicas": replicas,
-                    "refitting": r2.refitting,
-                    "seconds": r2.seconds,
-                    "rows": r2.rows,
-                    "rows_s": r2.rows / r2.seconds,
-                    "refits": len(r2.refit_times),
+                    "backend": label,
+                    "refitting": r.refitting,
+                    "seconds": r.seconds,
+                    "rows": r.rows,
+                    "rows_s": r.rows / r.seconds,
+                    "refits": len(r.refit_times),
                     "refit_s": mean,
-                    "mixed_rows": r2.mixed_rows,
+                    "mixed_rows": r.mixed_rows,
                 }
             )
             print(
-                f"  loop {'with' if r2.refitting else 'without'} refits: {r2.rows} rows in "
-                f"{r2.seconds:.1f} s ({r2.rows / r2.seconds:.2f} rows/s), "
-                f"{len(r2.refit_times)} refits (mean {mean:.2f} s), "
-                f"{r2.mixed_rows} rows saw 2+ versions",
+                f"  {label} loop {'with' if r.refitting else 'without'} refits: {r.rows} rows in "
+                f"{r.seconds:.1f} s ({r.rows / r.seconds:.2f} rows/s), "
+                f"{len(r.refit_times)} refits (mean {mean:.2f} s), "
+                f"{r.mixed_rows} rows saw 2+ versions",
                 flush=True,
             )
-            for error in r2.errors:
+            for error in r.errors:
                 print(f"    {error}", flush=True)
-        refitter.close()
     finally:
-        backend.shutdown()
-    return modes, loops
+        refitter.close()
+    return loops
 
 
 def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -361,36 +344,49 @@ def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         for k, v in model.state_dict().items()
     }
     print(
-        f"{args.model}: {model.spec.parameter_count() / 1e6:.0f}M parameters; buckets "
-        f"{bucket_lengths(args)} max_new_tokens; {args.rows} rows",
+        f"{args.model}: {model.spec.parameter_count() / 1e6:.0f}M parameters; {args.rows} rows, "
+        f"max_new_tokens {args.new} per row",
         flush=True,
     )
+    runs = [
+        (name, replicas)
+        for name in args.backends.split(",")
+        for replicas in ([int(x) for x in args.replicas.split(",")] if name == "vllm" else [1])
+    ]
     modes: list[dict[str, Any]] = []
     loops: list[dict[str, Any]] = []
-    for replicas in (int(x) for x in args.replicas.split(",")):
-        m, lo = measure(replicas, model, weights, args)
-        modes.extend(m)
-        loops.extend(lo)
+    for name, replicas in runs:
+        label = f"{name} x{replicas}" if name == "vllm" else name
+        start = time.perf_counter()
+        backend = build_backend(name, model, replicas, args)
+        print(f"{label}: up in {time.perf_counter() - start:.1f} s", flush=True)
+        try:
+            modes.extend(measure_modes(backend, label, model, args))
+            if args.seconds > 0:
+                loops.extend(measure_loops(backend, label, model, weights, args))
+        finally:
+            backend.shutdown()
     print()
-    print("| replicas | mode | rows | tokens | s | tokens/s | first row s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | mode | rows | tokens | s | tokens/s | first row s | time / generate |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in modes:
         print(
-            f"| {r['replicas']} | {r['mode']} | {r['rows']} | {r['tokens']} | {r['seconds']:.2f} "
-            f"| {r['tokens_s']:.1f} | {r['first_row_s']:.2f} |"
+            f"| {r['backend']} | {r['mode']} | {r['rows']} | {r['tokens']} | {r['seconds']:.2f} "
+            f"| {r['tokens_s']:.1f} | {r['first_row_s']:.2f} | {r['ratio']:.3f} |"
         )
-    print()
-    print(
-        "| replicas | refits in flight | s | rows served | rows/s | refits | mean refit s "
-        "| rows with 2+ versions |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in loops:
+    if loops:
+        print()
         print(
-            f"| {r['replicas']} | {'yes' if r['refitting'] else 'no'} | {r['seconds']:.1f} | "
-            f"{r['rows']} | {r['rows_s']:.2f} | {r['refits']} | {r['refit_s']:.2f} | "
-            f"{r['mixed_rows']} |"
+            "| backend | refits in flight | s | rows served | rows/s | refits | mean refit s "
+            "| rows with 2+ versions |"
         )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in loops:
+            print(
+                f"| {r['backend']} | {'yes' if r['refitting'] else 'no'} | {r['seconds']:.1f} | "
+                f"{r['rows']} | {r['rows_s']:.2f} | {r['refits']} | {r['refit_s']:.2f} | "
+                f"{r['mixed_rows']} |"
+            )
     print(f"\ntotal run time {time.perf_counter() - began:.0f} s")
     return modes, loops
 
