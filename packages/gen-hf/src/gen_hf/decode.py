@@ -184,6 +184,7 @@ def decode_rows(
                 keep.append(slot)
             else:
                 finish(a, reason)
+        generated.publish()
         if not keep:
             break
         tokens = choice.tokens.to(device)

@@ -58,7 +58,10 @@ class GeneratedRows:
     """The tokens, logprobs, weight versions and top logprobs of ``count`` rows so far.
 
     Rows are numbered as the decode loop numbers them; ``record`` appends one step's choice for
-    the rows still running, ``ended`` builds a row's ``RowResult``.
+    the rows still running, ``ended`` builds a row's ``RowResult``, and ``publish``, once the
+    step's finished rows are ended, tells the listener of the step's tokens. A token that ended
+    its row is not published: it reaches the caller with the row's result, so a stream's last
+    event holds the last token and the finish together (as vLLM's server sends them).
 
     Args:
         top_logprobs: each row's ``top_logprobs`` (how many of a step's top-k entries it keeps).
@@ -81,6 +84,8 @@ class GeneratedRows:
         self.versions: list[list[int]] = [[] for _ in range(count)]
         self.topk_ids: list[list[list[int]]] = [[] for _ in range(count)]
         self.topk_logprobs: list[list[list[float]]] = [[] for _ in range(count)]
+        # rows whose last token the listener has not heard of, in the order recorded
+        self._unpublished: dict[int, None] = {}
 
     def record(self, rows: list[int], choice: TokenChoice, version: int) -> None:
         """Append ``choice`` (one entry per row of ``rows``, in order), made by weights
@@ -94,18 +99,29 @@ class GeneratedRows:
             self.versions[row].append(version)
             self.topk_ids[row].append(ids[slot][: self._keep[row]])
             self.topk_logprobs[row].append(values[slot][: self._keep[row]])
-            if self._on_token is not None:
-                self._on_token(
-                    self._call_rows[row],
-                    token,
-                    logprob,
-                    self.topk_ids[row][-1],
-                    self.topk_logprobs[row][-1],
-                )
+        if self._on_token is not None:
+            self._unpublished.update(dict.fromkeys(rows))
+
+    def publish(self) -> None:
+        """Tell the listener (``RowControl.on_token``) of the tokens recorded since the last
+        call, except those of rows ended since: call once per step, after ending its rows."""
+        rows, self._unpublished = list(self._unpublished), {}
+        if self._on_token is None:
+            return
+        for row in rows:
+            self._on_token(
+                self._call_rows[row],
+                self.tokens[row][-1],
+                self.logprobs[row][-1],
+                self.topk_ids[row][-1],
+                self.topk_logprobs[row][-1],
+            )
 
     def ended(self, row: int, finish_reason: str, version_now: int) -> RowResult:
         """Row ``row``'s result, ended for ``finish_reason`` (``RowResult.ended``'s rules);
-        ``version_now`` is the version it started on when it generated nothing."""
+        ``version_now`` is the version it started on when it generated nothing. Its token of
+        this step, if any, is left to the result (``publish`` skips it)."""
+        self._unpublished.pop(row, None)
         return RowResult.ended(
             finish_reason,
             self.tokens[row],

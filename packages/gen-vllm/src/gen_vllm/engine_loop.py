@@ -238,7 +238,9 @@ class EngineLoop:
         pending = self._pending.get(step.request_id)
         if pending is None:
             return
-        if pending.stream and step.token_ids:
+        if pending.stream and step.token_ids and step.finish_reason is None:
+            # A finishing step's tokens travel with the row's result: the stream's last event
+            # then holds the last token and the finish together.
             deltas.append(
                 TokenDelta(
                     step.request_id,

@@ -143,6 +143,7 @@ class NgramGeneration(InProcessBackend):
                     still.append(i)
                 else:
                     finish(i, reason, ticket.version)
+            generated.publish()
             active = still
         return results
 

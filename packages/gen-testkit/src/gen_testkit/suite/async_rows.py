@@ -61,7 +61,8 @@ class AsyncRowChecks:
     def test_streamed_tokens_make_up_the_rows_generate_returns(
         self, streaming: GenerationInterface
     ) -> None:
-        """Each row's events carry its tokens once, in order, and end with its output."""
+        """Each row's events carry its tokens once, in order, and end with its output; the
+        last event holds the row's last token (a server sends the finish with it)."""
         view = streaming.with_sampling(max_new_tokens=12, stop_token_ids=[], seed=5)
         batch = pad_prompts(PROMPTS, "left")
         batch["top_logprobs"] = torch.tensor([0, 2, 1, 3])
@@ -81,6 +82,7 @@ class AsyncRowChecks:
                 assert top == expected["topk_ids"][i, start : start + g, :k].tolist()
                 final = mine[-1].output
                 assert final is not None
+                assert mine[-1].token_ids[-1:] == tokens[-1:], "the last token came before"
                 assert torch.equal(final["output_ids"][0], expected["output_ids"][i, : start + g])
 
     def test_tokens_arrive_before_their_row_ends(self, streaming: GenerationInterface) -> None:
