@@ -136,6 +136,25 @@ class OutputsInShardOrder(NgramGeneration):
         return out.select_indices(order)
 
 
+class TopKListsOnePositionLate(NgramGeneration):
+    """Teacher-forced top-k lists shifted one position late (``score`` itself is right)."""
+
+    def score_top_logprobs(self, data, top_logprobs):
+        out = super().score_top_logprobs(data, top_logprobs)
+        for key in ("topk_ids", "topk_logprobs"):
+            out[key] = out[key].roll(1, dims=1)
+        return out
+
+
+class TopKValuesAtAnotherTemperature(NgramGeneration):
+    """Generated top-k lists whose logprobs are not the ones the chosen tokens report."""
+
+    def generate(self, data, greedy=False):
+        out = super().generate(data, greedy)
+        out["topk_logprobs"] = out["topk_logprobs"] * 1.01
+        return out
+
+
 def _run(candidate_cls, settings=None):
     config = dict(CONFIG, **(settings or {}))
     reference = TimedBackend("ngram", NgramGeneration(config))
@@ -155,6 +174,7 @@ def test_a_faithful_candidate_passes():
     report = _run(NgramGeneration)
     assert report.ok, report.failures
     assert report.greedy.agree == report.rows and report.teacher_forced.max_abs == 0.0
+    assert report.top_k.same == report.top_k.positions > 0 and report.top_k.chosen_checked > 0
     assert all(fit.p_value >= 1e-3 for fits in report.sampling.values() for fit in fits)
 
 
@@ -165,6 +185,8 @@ def test_a_faithful_candidate_passes():
         (TopPOnUnrenormalisedDistribution, "do not fit the exact distribution"),
         (TemperatureIgnoredInProcessedLogprobs, "processed logprobs off the exact distribution"),
         (OutputsInShardOrder, "rows out of order"),
+        (TopKListsOnePositionLate, "top-5 lists differ"),
+        (TopKValuesAtAnotherTemperature, "have another logprob there"),
     ],
 )
 def test_each_fault_is_caught(fault, caught_by):

@@ -28,7 +28,7 @@ from gen_interface import (
 from gen_testkit.compare import generated_rows
 from gen_testkit.models import build_tiny_model
 from gen_testkit.parity import HfLogitsOracle, PairReport, TimedBackend
-from gen_testkit.parity.runner import compare_batch
+from gen_testkit.parity.runner import TOP_K, compare_batch
 from gen_testkit.parity.workload import ParityBatch
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.tolerances import Tolerance
@@ -129,6 +129,11 @@ def main() -> None:
                 f"split {report.greedy.rows - report.greedy.agree}"
             )
             print(f"  teacher-forced {report.teacher_forced.summary()}")
+            top = report.top_k
+            print(
+                f"  teacher-forced top-{TOP_K} lists: {top.same} same, {top.boundary_ties} edge "
+                f"ties, {top.mismatches} differ of {top.positions}; values {top.values.summary()}"
+            )
             for n, error in report.processed.items():
                 print(
                     f"  processed {n}: {error.summary()}, outside support "

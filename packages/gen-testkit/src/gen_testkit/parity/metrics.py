@@ -16,10 +16,14 @@ __all__ = [
     "GreedyAgreement",
     "LogprobError",
     "SamplingFit",
+    "TopKAgreement",
     "chi_square_fit",
+    "chosen_matches_top_k",
     "greedy_agreement",
     "logprob_error",
     "score_outputs",
+    "score_top_k",
+    "top_k_agreement",
 ]
 
 
@@ -96,6 +100,38 @@ class LogprobError:
 
 
 @dataclass
+class TopKAgreement:
+    """Two backends' top-k lists at the same positions, and each output's chosen tokens.
+
+    At a position the two lists hold the same set of k tokens (``same``), or differ only by
+    tokens at the k-th place's edge (``boundary_ties``: every token one backend lists and the
+    other does not is within ``near_tie`` of the other's k-th logprob, as greedy near-ties are
+    counted), or differ (``mismatches``). ``values`` compares the logprobs of the tokens both
+    list. ``chosen_off`` counts generated tokens that are in their own top-k list with another
+    logprob than their entry there (they must be equal).
+    """
+
+    positions: int = 0
+    same: int = 0
+    boundary_ties: int = 0
+    mismatches: int = 0
+    values: LogprobError = field(default_factory=LogprobError)
+    chosen_checked: int = 0
+    chosen_off: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def add(self, other: TopKAgreement) -> None:
+        self.positions += other.positions
+        self.same += other.same
+        self.boundary_ties += other.boundary_ties
+        self.mismatches += other.mismatches
+        self.values.add(other.values)
+        self.chosen_checked += other.chosen_checked
+        self.chosen_off += other.chosen_off
+        self.details += other.details
+
+
+@dataclass
 class SamplingFit:
     """A goodness-of-fit test of one backend's samples against the exact distribution."""
 
@@ -120,6 +156,74 @@ def score_outputs(
             prompt_lengths=torch.tensor(list(prompt_lengths), dtype=torch.int64),
             unpadded_sequence_lengths=output["unpadded_sequence_lengths"],
         )
+    )
+
+
+def top_k_agreement(
+    first: Mapping[str, Any],
+    second: Mapping[str, Any],
+    output: Mapping[str, Any],
+    prompt_lengths: Sequence[int],
+    k: int,
+    near_tie: float,
+) -> TopKAgreement:
+    """Compare two ``score_top_logprobs(.., k + 1)`` results of ``output``'s rows over its
+    generated positions: the first k entries as sets, the (k+1)-th only to judge edge ties."""
+    result = TopKAgreement()
+    mask = _generated_mask(output, prompt_lengths)
+    for i, j in mask.nonzero().tolist():
+        a = dict(zip(first["topk_ids"][i, j].tolist(), first["topk_logprobs"][i, j].tolist()))
+        b = dict(zip(second["topk_ids"][i, j].tolist(), second["topk_logprobs"][i, j].tolist()))
+        top_a, top_b = list(a)[:k], list(b)[:k]
+        edge_a, edge_b = a[top_a[-1]], b[top_b[-1]]  # each one's k-th logprob
+        result.positions += 1
+        both = [t for t in top_a if t in top_b]
+        result.values.add_values(
+            torch.tensor([a[t] for t in both]), torch.tensor([b[t] for t in both])
+        )
+        only_a = [t for t in top_a if t not in top_b]
+        only_b = [t for t in top_b if t not in top_a]
+        if not only_a:
+            result.same += 1
+        elif all(a[t] <= edge_b + near_tie for t in only_a) and all(
+            b[t] <= edge_a + near_tie for t in only_b
+        ):
+            result.boundary_ties += 1
+        else:
+            result.mismatches += 1
+            result.details.append(
+                f"row {i} position {j}: top-{k} differ by {only_a} vs {only_b} beyond the "
+                f"k-th place's near-tie margin {near_tie:g}"
+            )
+    return result
+
+
+def chosen_matches_top_k(output: Mapping[str, Any], prompt_lengths: Sequence[int]) -> TopKAgreement:
+    """Over ``output``'s generated positions: each chosen token found in its own top-k list,
+    and whether its logprob equals its entry there."""
+    result = TopKAgreement()
+    mask = _generated_mask(output, prompt_lengths)
+    tokens, logprobs = output["output_ids"][mask], output["logprobs"][mask]
+    ids, values = output["topk_ids"][mask], output["topk_logprobs"][mask]
+    hit = ids == tokens[:, None]
+    found = hit.any(dim=1)
+    result.chosen_checked = int(found.sum())
+    entry = torch.where(hit, values, torch.zeros_like(values)).sum(dim=1)
+    result.chosen_off = int((found & (entry != logprobs)).sum())
+    return result
+
+
+def score_top_k(
+    scorer: GenerationInterface, output: Mapping[str, Any], prompt_lengths: Sequence[int], k: int
+) -> BatchedDataDict[Any]:
+    """``scorer``'s teacher-forced top-``k`` lists of another backend's output rows."""
+    return scorer.score_top_logprobs(
+        BatchedDataDict(
+            input_ids=output["output_ids"],
+            prompt_lengths=torch.tensor(list(prompt_lengths), dtype=torch.int64),
+            unpadded_sequence_lengths=output["unpadded_sequence_lengths"],
+        ),
+        k,
     )
 
 

@@ -14,6 +14,7 @@ _COLUMNS = (
     "rows",
     "greedy agree / near-tie / differ",
     "teacher-forced max|d| mean|d| mean e^|d|",
+    "top-5 same / edge tie / differ, max|d|, chosen off",
     "processed max|d| (ref, cand)",
     "sampling p-values (ref; cand)",
     "tok/s (ref, cand)",
@@ -26,13 +27,15 @@ def format_table(reports: Sequence[PairReport]) -> str:
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for r in reports:
         names = (r.reference, r.candidate)
-        tf = r.teacher_forced
+        tf, top = r.teacher_forced, r.top_k
         cells = [
             f"{r.reference} vs {r.candidate}",
             r.dtype,
             str(r.rows),
             f"{r.greedy.agree} / {r.greedy.near_ties} / {r.greedy.mismatches}",
             f"{tf.max_abs:.2e} {tf.mean_abs:.2e} {tf.mean_exp_abs:.7f}",
+            f"{top.same} / {top.boundary_ties} / {top.mismatches}, {top.values.max_abs:.2e}, "
+            f"{top.chosen_off} of {top.chosen_checked}",
             ", ".join(f"{r.processed[n].max_abs:.2e}" for n in names if n in r.processed),
             "; ".join(
                 " ".join(f"{fit.p_value:.3f}" for fit in r.sampling.get(n, [])) for n in names

@@ -15,10 +15,14 @@ from gen_testkit.parity.metrics import (
     GreedyAgreement,
     LogprobError,
     SamplingFit,
+    TopKAgreement,
     chi_square_fit,
+    chosen_matches_top_k,
     greedy_agreement,
     logprob_error,
     score_outputs,
+    score_top_k,
+    top_k_agreement,
 )
 from gen_testkit.parity.oracle import LogitsOracle, processed_distribution
 from gen_testkit.parity.workload import ParityBatch, SamplingPlan
@@ -38,6 +42,9 @@ __all__ = [
 #: Significance level of the sampling goodness-of-fit tests: a backend fails when its samples
 #: are this unlikely under the exact distribution.
 SIGNIFICANCE = 1e-3
+
+#: The top logprobs every parity generation asks for, and teacher forcing compares.
+TOP_K = 5
 
 Progress = Callable[[str], None]
 
@@ -74,6 +81,7 @@ class PairReport:
     rows: int = 0
     greedy: GreedyAgreement = field(default_factory=GreedyAgreement)
     teacher_forced: LogprobError = field(default_factory=LogprobError)
+    top_k: TopKAgreement = field(default_factory=TopKAgreement)
     processed: dict[str, LogprobError] = field(default_factory=dict)
     processed_outside_support: dict[str, int] = field(default_factory=dict)
     sampling: dict[str, list[SamplingFit]] = field(default_factory=dict)
@@ -96,6 +104,22 @@ class PairReport:
             self.failures.append(
                 f"teacher-forced logprobs differ by {self.teacher_forced.max_abs:.3g} "
                 f"> {t.logprob_atol:g}"
+            )
+        top = self.top_k
+        if top.mismatches:
+            self.failures.append(
+                f"{top.mismatches} teacher-forced top-{TOP_K} lists differ beyond edge ties: "
+                + "; ".join(top.details[:3])
+            )
+        if top.values.max_abs > t.top_k_atol:
+            self.failures.append(
+                f"teacher-forced top-{TOP_K} logprobs differ by {top.values.max_abs:.3g} "
+                f"> {t.top_k_atol:g}"
+            )
+        if top.chosen_off:
+            self.failures.append(
+                f"{top.chosen_off} of {top.chosen_checked} generated tokens in their own top-"
+                f"{TOP_K} have another logprob there"
             )
         for name, error in self.processed.items():
             if error.max_abs > t.processed_logprob_atol:
@@ -139,6 +163,17 @@ class PairReport:
                 "largest_split_gap": max(self.greedy.split_gaps, default=0.0),
             },
             "teacher_forced": self.teacher_forced.summary(),
+            "top_k": {
+                "k": TOP_K,
+                "positions": self.top_k.positions,
+                "same": self.top_k.same,
+                "edge_ties": self.top_k.boundary_ties,
+                "mismatches": self.top_k.mismatches,
+                "values": self.top_k.values.summary(),
+                "chosen_checked": self.top_k.chosen_checked,
+                "chosen_off": self.top_k.chosen_off,
+                "details": self.top_k.details,
+            },
             "processed": {k: v.summary() for k, v in self.processed.items()},
             "processed_outside_support": self.processed_outside_support,
             "sampling": {k: [f.as_dict() for f in v] for k, v in self.sampling.items()},
@@ -206,14 +241,18 @@ def compare_batch(
     """Add one batch's greedy, teacher-forced and processed-logprob measurements to ``report``.
 
     Reported raw logprobs (greedy rows, and sampled rows in raw mode) are compared with the other
-    backend's teacher forcing; reported processed logprobs with the exact distribution.
+    backend's teacher forcing; reported processed logprobs with the exact distribution. Every
+    generation asks for ``TOP_K`` top logprobs per token; the greedy rows' teacher-forced top-k
+    lists of both backends are compared.
     """
     pair = (reference, candidate)
     for timed in pair:
         report.processed.setdefault(timed.name, LogprobError())
         report.processed_outside_support.setdefault(timed.name, 0)
-    greedy = [b.generate(batch.data, greedy=True) for b in pair]
-    sampled = [b.generate(batch.data, greedy=False) for b in pair]
+    data: BatchedDataDict[Any] = BatchedDataDict(batch.data)
+    data["top_logprobs"] = torch.full((len(batch.prompts),), TOP_K, dtype=torch.int64)
+    greedy = [b.generate(data, greedy=True) for b in pair]
+    sampled = [b.generate(data, greedy=False) for b in pair]
     broken = _layout_problems(pair, batch, (*greedy, *sampled))
     if broken:
         report.failures.extend(broken)
@@ -230,6 +269,16 @@ def compare_batch(
     for output in (*greedy, *sampled):
         scores = [score_outputs(b.backend, output, batch.prompt_lengths) for b in pair]
         report.teacher_forced.add(logprob_error(scores[0], scores[1], output, batch.prompt_lengths))
+        report.top_k.add(chosen_matches_top_k(output, batch.prompt_lengths))
+    for output in greedy:
+        first, second = (
+            score_top_k(b.backend, output, batch.prompt_lengths, TOP_K + 1) for b in pair
+        )
+        report.top_k.add(
+            top_k_agreement(
+                first, second, output, batch.prompt_lengths, TOP_K, report.tolerance.near_tie
+            )
+        )
     raw_outputs = list(zip(greedy, reversed(pair)))
     for timed, output in zip(pair, sampled):
         if timed.backend.config.get("logprobs_mode") == "processed":
