@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
 
 import httpx
+from gen_testkit.servers import free_port
 
 __all__ = ["ServerThread", "free_port", "hf_backend", "serve", "tokenizer_of"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:
