@@ -12,11 +12,15 @@ finish, then the backend shuts down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import uvicorn
 
 __all__ = ["main", "parse_args", "serve_backend_config"]
 
@@ -85,7 +89,6 @@ def serve_backend_config(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    import uvicorn
     from gen_interface import configure_generation_config, create_generation_backend
 
     from gen_serve.app import build_app, sampling_defaults
@@ -113,13 +116,27 @@ def main(argv: list[str] | None = None) -> None:
         defaults=sampling_defaults(model),
     )
     app = build_app(backend, settings, codec=codec)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_seconds,
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.graceful_seconds,
+        )
     )
+    server.run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, exiting 0 after a clean stop on SIGTERM or SIGINT (uvicorn raises the
+    signal again once stopped; under Ray's handler that became exit status 15)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 class _Tokens:

@@ -8,6 +8,7 @@ with the helpers Hugging Face templates use (``raise_exception``, ``tojson``, ``
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ChatTemplateError", "IncrementalText", "TextCodec"]
+
+_REPLACEMENT = "\ufffd"  # what decoding an unfinished UTF-8 sequence ends in
+_UTF8_CONTEXT = 4  # tokens before one that can hold the rest of its character
 
 
 class ChatTemplateError(ValueError):
@@ -92,6 +96,57 @@ class TextCodec:
     def token_text(self, token_id: int) -> str:
         """One token as text (special tokens included), for logprob entries."""
         return self.decode([token_id], skip_special_tokens=False)
+
+    def logprob_text(self, token_id: int, context: Sequence[int] = ()) -> str:
+        """A token's text in logprob entries, as vLLM's engine writes it: the token decoded
+        alone, with the leading spaces a SentencePiece decode strips put back; a token that
+        ends in an unfinished UTF-8 sequence (byte fallback) is decoded after up to 4 of the
+        sampled tokens before it (``context``, oldest first), and is ``""`` while its bytes
+        stay unfinished."""
+        text = self._restored(token_id, self.token_text(token_id))
+        if not text.endswith(_REPLACEMENT):
+            return text
+        recent = list(context)[-_UTF8_CONTEXT:]
+        for n in range(1, len(recent) + 1):
+            before = recent[-n:]
+            full = self.decode([*before, token_id], skip_special_tokens=False)
+            if full.endswith(_REPLACEMENT):
+                continue
+            # Context tokens that are themselves unfinished bytes belong to this character.
+            clean = len(before)
+            while clean and self.token_text(before[clean - 1]).endswith(_REPLACEMENT):
+                clean -= 1
+            prefix = self.decode(before[:clean], skip_special_tokens=False) if clean else ""
+            if full.startswith(prefix):
+                return full[len(prefix) :]
+            common = next(
+                (i for i, (a, b) in enumerate(zip(prefix, full)) if a != b),
+                min(len(prefix), len(full)),
+            )
+            return full[common:]
+        return ""
+
+    def _restored(self, token_id: int, text: str) -> str:
+        marker = self._space_marker
+        if marker is None:
+            return text
+        piece = self.token_piece(token_id)
+        markers = len(piece) - len(piece.lstrip(marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    @functools.cached_property
+    def _space_marker(self) -> str | None:
+        """The Metaspace pre-tokenizer's replacement character (SentencePiece models), whose
+        leading instance ``decode`` strips; None for byte-level and other tokenizers."""
+        try:
+            pre = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
+        except (AttributeError, ValueError):
+            return None
+        for sub in [pre, *pre.get("pretokenizers", [])]:
+            if isinstance(sub, dict) and sub.get("type") == "Metaspace":
+                return str(sub.get("replacement", "\u2581"))
+        return None
 
     def token_piece(self, token_id: int) -> str:
         """The tokenizer's own piece for a token (e.g. ``Ġhello``)."""

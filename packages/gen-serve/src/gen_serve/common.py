@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from gen_interface import BatchedDataDict
 
+from gen_serve.codec import IncrementalText
 from gen_serve.errors import ApiError, error_body, status_of
 from gen_serve.protocol import SamplingFields
 from gen_serve.rows import RowPlan, plan_rows
@@ -28,6 +29,7 @@ __all__ = [
     "run_plan",
     "sse",
     "sse_response",
+    "text_decoder",
 ]
 
 T = TypeVar("T")
@@ -105,19 +107,22 @@ def prompt_logprobs_json(state: ServerState, prompt: list[int], scores: PromptSc
     """vLLM's ``prompt_logprobs``: None for the first token, then ``{token id: {logprob, rank,
     decoded_token}}`` holding the prompt token and the top ones."""
     out: list[Any] = [None] if prompt else []
-    for token, logprob, ids, lps in scores:
-        entry = {str(token): _logprob_entry(state, token, logprob, ids)}
+    for p, (token, logprob, ids, lps) in enumerate(scores, start=1):
+        context = prompt[max(1, p - 4) : p]  # vLLM's: the scored prompt tokens before
+        entry = {str(token): _logprob_entry(state, token, logprob, ids, context)}
         for t, lp in zip(ids, lps):
-            entry.setdefault(str(t), _logprob_entry(state, t, lp, ids))
+            entry.setdefault(str(t), _logprob_entry(state, t, lp, ids, context))
         out.append(entry)
     return out
 
 
-def _logprob_entry(state: ServerState, token: int, logprob: float, ids: list[int]) -> Any:
+def _logprob_entry(
+    state: ServerState, token: int, logprob: float, ids: list[int], context: list[int]
+) -> Any:
     return {
         "logprob": max(logprob, -9999.0),
         "rank": ids.index(token) + 1 if token in ids else None,
-        "decoded_token": state.codec.token_text(token) if state.codec else None,
+        "decoded_token": state.codec.logprob_text(token, context) if state.codec else None,
     }
 
 
@@ -144,6 +149,18 @@ async def primed(items: AsyncIterator[T]) -> AsyncIterator[T]:
 async def _empty() -> AsyncIterator[Any]:
     return
     yield
+
+
+def text_decoder(state: ServerState, fields: SamplingFields) -> IncrementalText | None:
+    """A row's streamed text under ``fields``' rules; None without a tokenizer."""
+    if state.codec is None:
+        return None
+    return IncrementalText(
+        state.codec,
+        skip_special_tokens=fields.skip_special_tokens,
+        stop_strings=fields.stop_strings,
+        include_stop=fields.include_stop_str_in_output,
+    )
 
 
 def sse(payload: Any) -> str:

@@ -42,10 +42,19 @@ def clamp(logprob: float) -> float:
     return max(logprob, -9999.0) if not math.isnan(logprob) else -9999.0
 
 
-def token_string(codec: TextCodec | None, token: int, as_ids: bool) -> str:
+def token_string(
+    codec: TextCodec | None, token: int, as_ids: bool, context: Sequence[int] = ()
+) -> str:
+    """A logprob entry's token: ``"token_id:N"``, or its text after the sampled tokens
+    ``context`` (``TextCodec.logprob_text``)."""
     if as_ids or codec is None:
         return f"token_id:{token}"
-    return codec.token_text(token)
+    return codec.logprob_text(token, context)
+
+
+def _context(tokens: Sequence[int], position: int) -> Sequence[int]:
+    """The sampled tokens before ``position`` that can complete its character's bytes."""
+    return tokens[max(0, position - 4) : position]
 
 
 def ranked(
@@ -76,24 +85,32 @@ def completion_logprobs(
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
-    steps = list(prompt) + [
-        (t, lp, ids, lps)
-        for t, lp, ids, lps in zip(
-            outcome.token_ids[start:],
-            outcome.logprobs[start:],
-            outcome.topk_ids[start:],
-            outcome.topk_logprobs[start:],
+    scored_prompt = [step[0] for step in prompt[1:]]  # vLLM's context for prompt positions
+    steps = [
+        (step, _context(scored_prompt, p - 1) if p else ()) for p, step in enumerate(prompt)
+    ] + [
+        ((t, lp, ids, lps), _context(outcome.token_ids, start + j))
+        for j, (t, lp, ids, lps) in enumerate(
+            zip(
+                outcome.token_ids[start:],
+                outcome.logprobs[start:],
+                outcome.topk_ids[start:],
+                outcome.topk_logprobs[start:],
+            )
         )
     ]
-    for token, logprob, ids, lps in steps:
-        tokens.append(token_string(codec, token, as_ids))
+    for (token, logprob, ids, lps), context in steps:
+        tokens.append(token_string(codec, token, as_ids, context))
         if logprob is None:
             token_logprobs.append(None)
             top.append(None)
             continue
         token_logprobs.append(clamp(logprob))
         top.append(
-            {token_string(codec, t, as_ids): lp for t, lp, _ in ranked(token, logprob, ids, lps)}
+            {
+                token_string(codec, t, as_ids, context): lp
+                for t, lp, _ in ranked(token, logprob, ids, lps)
+            }
         )
     offsets = []
     for piece in tokens:
@@ -113,29 +130,42 @@ def chat_logprobs(
     """vLLM's ``ChatCompletionLogProbs``: ``top_logprobs`` are the first ``top_k`` entries of
     ``ranked`` (the chosen token first)."""
     content = []
-    for token, logprob, ids, lps in zip(
-        outcome.token_ids[start:],
-        outcome.logprobs[start:],
-        outcome.topk_ids[start:],
-        outcome.topk_logprobs[start:],
+    for j, (token, logprob, ids, lps) in enumerate(
+        zip(
+            outcome.token_ids[start:],
+            outcome.logprobs[start:],
+            outcome.topk_ids[start:],
+            outcome.topk_logprobs[start:],
+        )
     ):
+        context = _context(outcome.token_ids, start + j)
         entries = ranked(token, logprob, ids, lps)[:top_k]
         content.append(
             {
-                "token": token_string(codec, token, as_ids),
+                **_chat_token(codec, token, as_ids, context, chosen=True),
                 "logprob": clamp(logprob),
-                "bytes": _bytes(codec, token),
                 "top_logprobs": [
-                    {
-                        "token": token_string(codec, t, as_ids),
-                        "logprob": lp,
-                        "bytes": _bytes(codec, t),
-                    }
+                    {**_chat_token(codec, t, as_ids, context, chosen=False), "logprob": lp}
                     for t, lp, _ in entries
                 ],
             }
         )
     return {"content": content}
+
+
+def _chat_token(
+    codec: TextCodec | None, token: int, as_ids: bool, context: Sequence[int], *, chosen: bool
+) -> dict[str, Any]:
+    """A chat logprob entry's ``token`` and ``bytes``, as vLLM fills them: a chosen token's
+    bytes are of its text even when ``token`` is ``"token_id:N"`` (None without a tokenizer);
+    a top entry's are of its ``token``."""
+    text = token_string(codec, token, as_ids, context)
+    if not chosen:
+        return {"token": text, "bytes": list(text.encode("utf-8", errors="replace"))}
+    if codec is None:
+        return {"token": text, "bytes": None}
+    shown = codec.logprob_text(token, context)
+    return {"token": text, "bytes": list(shown.encode("utf-8", errors="replace"))}
 
 
 def generate_logprobs(outcome: RowOutcome, *, top_k: int, start: int = 0) -> dict[str, Any]:
@@ -201,9 +231,3 @@ def weight_version_spans(versions: Sequence[int]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": str(version), "start": i, "end": i + 1})
     return spans
-
-
-def _bytes(codec: TextCodec | None, token: int) -> list[int] | None:
-    if codec is None:
-        return None
-    return list(codec.token_text(token).encode("utf-8", errors="replace"))

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gen_serve.codec import ChatTemplateError, IncrementalText
+from gen_serve.codec import ChatTemplateError
 from gen_serve.common import (
     PromptScores,
     guarded,
@@ -21,9 +21,10 @@ from gen_serve.common import (
     run_plan,
     sse,
     sse_response,
+    text_decoder,
 )
 from gen_serve.errors import ApiError
-from gen_serve.protocol import ChatRequest, CompletionRequest, SamplingFields, StreamOptions
+from gen_serve.protocol import ChatRequest, CompletionRequest, StreamOptions
 from gen_serve.responses import (
     chat_logprobs,
     completion_logprobs,
@@ -65,7 +66,7 @@ def openai_router(state: ServerState) -> APIRouter:
                 **head,
                 "choices": choices,
                 "service_tier": None,
-                "system_fingerprint": None,
+                "system_fingerprint": state.fingerprint,
                 "usage": usage(
                     sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outcomes)
                 ),
@@ -97,7 +98,7 @@ def openai_router(state: ServerState) -> APIRouter:
                 "model": head["model"],
                 "choices": choices,
                 "service_tier": None,
-                "system_fingerprint": None,
+                "system_fingerprint": state.fingerprint,
                 "usage": usage(len(prompt), sum(len(o.token_ids) for o in outcomes)),
                 "prompt_logprobs": prompt_logprobs_json(state, prompt, scores)
                 if req.prompt_logprobs is not None
@@ -120,11 +121,19 @@ def _name(state: ServerState) -> str:
     return state.settings.model_name
 
 
-def _usage_chunk(options: StreamOptions | None, head: dict[str, Any], p: int, c: int) -> str:
-    if options is None or not options.include_usage:
-        return ""
+def _with_usage(options: StreamOptions | None) -> bool:
+    return options is not None and bool(options.include_usage)
+
+
+def _usage_chunk(state: ServerState, head: dict[str, Any], p: int, c: int) -> str:
+    """A stream's last chunk when usage is asked for (it then carries the fingerprint)."""
     counts = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
-    return sse({**head, "choices": [], "usage": counts})
+    return sse({**head, "choices": [], "usage": counts, "system_fingerprint": state.fingerprint})
+
+
+def _stamped(state: ServerState, chunk: dict[str, Any], last: bool) -> dict[str, Any]:
+    """vLLM stamps the fingerprint on a row's finishing chunk when no usage chunk follows."""
+    return {**chunk, "system_fingerprint": state.fingerprint} if last else chunk
 
 
 # ---- completions --------------------------------------------------------------------------------
@@ -216,10 +225,11 @@ async def _stream_completion(
 
     async def events() -> AsyncIterator[str]:
         codec = state.codec
-        decoders = [_decoder(state, req) for _ in range(plan.rows)]
+        decoders = [text_decoder(state, req) for _ in range(plan.rows)]
         started = [False] * plan.rows
         offsets = [0] * plan.rows
         as_ids = bool(req.return_tokens_as_token_ids)
+        usage = _with_usage(req.stream_options)
         generated = 0
         async for step in steps:
             row, event, outcome = step.row, step.event, step.outcome
@@ -254,23 +264,11 @@ async def _stream_completion(
                 choice["weight_version"] = outcome.weight_version
                 if req.return_weight_versions:
                     choice["weight_versions"] = outcome.weight_versions
-            yield sse({**head, "choices": [choice]})
-        chunk = _usage_chunk(req.stream_options, head, sum(len(p) for p in plan.prompts), generated)
-        if chunk:
-            yield chunk
+            yield sse(_stamped(state, {**head, "choices": [choice]}, event.finished and not usage))
+        if usage:
+            yield _usage_chunk(state, head, sum(len(p) for p in plan.prompts), generated)
 
     return guarded(events())
-
-
-def _decoder(state: ServerState, fields: SamplingFields) -> IncrementalText | None:
-    if state.codec is None:
-        return None
-    return IncrementalText(
-        state.codec,
-        skip_special_tokens=fields.skip_special_tokens,
-        stop_strings=fields.stop_strings,
-        include_stop=fields.include_stop_str_in_output,
-    )
 
 
 # ---- chat ---------------------------------------------------------------------------------------
@@ -371,9 +369,11 @@ async def _stream_chat(
                         }
                     ],
                     "prompt_token_ids": prompt if req.return_token_ids else None,
+                    "prompt_text": None,
                 }
             )
-        decoders = [_decoder(state, req) for _ in range(plan.rows)]
+        decoders = [text_decoder(state, req) for _ in range(plan.rows)]
+        usage = _with_usage(req.stream_options)
         generated = 0
         async for step in steps:
             row, event, outcome = step.row, step.event, step.outcome
@@ -402,9 +402,8 @@ async def _stream_chat(
                 choice["weight_version"] = outcome.weight_version
                 if req.return_weight_versions:
                     choice["weight_versions"] = outcome.weight_versions
-            yield sse({**base, "choices": [choice]})
-        chunk = _usage_chunk(req.stream_options, base, len(prompt), generated)
-        if chunk:
-            yield chunk
+            yield sse(_stamped(state, {**base, "choices": [choice]}, event.finished and not usage))
+        if usage:
+            yield _usage_chunk(state, base, len(prompt), generated)
 
     return guarded(events())

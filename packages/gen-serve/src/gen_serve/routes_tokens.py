@@ -18,6 +18,7 @@ from gen_serve.common import (
     prompt_scores,
     run_plan,
     sse,
+    text_decoder,
 )
 from gen_serve.errors import ApiError
 from gen_serve.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
@@ -132,33 +133,46 @@ def token_router(state: ServerState) -> APIRouter:
 
 
 def _generate_choice(
-    state: ServerState, req: GenerateRequest, row: int, outcome: RowOutcome, *, final: bool
+    state: ServerState,
+    req: GenerateRequest,
+    row: int,
+    outcome: RowOutcome,
+    *,
+    final: bool,
+    start: int = 0,
+    text: str | None = None,
 ) -> dict[str, Any]:
+    """Row ``row``'s choice with its tokens from ``start`` (a stream's new ones); ``text`` is
+    their text when streamed (else the row's text is decoded whole)."""
     params = req.sampling()
     choice: dict[str, Any] = {
         "index": row,
         "finish_reason": outcome.finish_reason if final else None,
         "stop_reason": outcome.stop_reason if final else None,
-        "token_ids": outcome.token_ids,
+        "token_ids": outcome.token_ids[start:],
         "routed_experts": None,
         "sampling_mask": None,
         "weight_versions": weight_version_spans(outcome.weight_versions) if final else None,
     }
     if req.output_mode == "text":
-        choice["text"] = row_text(
-            state.codec,
-            outcome,
-            skip_special_tokens=params.skip_special_tokens,
-            include_stop_str=params.include_stop_str_in_output,
+        choice["text"] = (
+            text
+            if text is not None
+            else row_text(
+                state.codec,
+                outcome,
+                skip_special_tokens=params.skip_special_tokens,
+                include_stop_str=params.include_stop_str_in_output,
+            )
         )
     if params.logprobs is None:
         choice["logprobs"] = None
     elif req.output_mode == "text":
         choice["logprobs"] = chat_logprobs(
-            state.codec, outcome, top_k=max(params.logprobs, 1), as_ids=False
+            state.codec, outcome, top_k=max(params.logprobs, 1), as_ids=False, start=start
         )
     else:
-        choice["logprobs"] = generate_logprobs(outcome, top_k=params.logprobs)
+        choice["logprobs"] = generate_logprobs(outcome, top_k=params.logprobs, start=start)
     if final:
         choice["weight_version"] = outcome.weight_version
     return choice
@@ -171,6 +185,10 @@ async def _generate_stream(
     rid: str,
     steps: AsyncIterator[Any],
 ) -> AsyncIterator[str]:
+    params = req.sampling()
+    decoders = [
+        text_decoder(state, params) if req.output_mode == "text" else None for _ in range(plan.rows)
+    ]
     sent_prompt = False
     generated = 0
     async for step in steps:
@@ -178,22 +196,24 @@ async def _generate_stream(
         if not event.token_ids and not event.finished:
             continue
         generated += len(event.token_ids)
-        delta = RowOutcome(
-            token_ids=list(event.token_ids),
-            logprobs=list(event.logprobs),
-            topk_ids=list(event.topk_ids),
-            topk_logprobs=list(event.topk_logprobs),
-            finish_reason=outcome.finish_reason,
-            stop_reason=outcome.stop_reason,
-            weight_version=outcome.weight_version,
-            weight_versions=outcome.weight_versions,
-        )
+        decoder = decoders[step.row]
+        text = decoder.add(event.token_ids, final=event.finished) if decoder else None
         chunk: dict[str, Any] = {"request_id": rid, "usage": None}
         if req.return_token_ids and not sent_prompt:
             chunk["prompt_token_ids"] = plan.prompts[0]
             sent_prompt = True
         chunk["output_mode"] = req.output_mode
-        chunk["choices"] = [_generate_choice(state, req, step.row, delta, final=event.finished)]
+        chunk["choices"] = [
+            _generate_choice(
+                state,
+                req,
+                step.row,
+                outcome,
+                final=event.finished,
+                start=len(outcome.token_ids) - len(event.token_ids),
+                text=text,
+            )
+        ]
         yield sse(chunk)
     options = req.stream_options
     if options is not None and options.include_usage:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import dataclass, field
+from importlib.metadata import version as _version
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -68,6 +70,11 @@ class ServerState:
     paused_update: bool = False
     sleeping: bool = False
     update_started: float | None = None
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The ``system_fingerprint`` of responses: this server's version and its backend."""
+        return f"gen-serve-{_version('gen-serve')}-{self.backend.config['backend']}"
 
     @property
     def context_limit(self) -> int | None:
