@@ -121,6 +121,14 @@ def _name(state: ServerState) -> str:
     return state.settings.model_name
 
 
+def _versions(req: CompletionRequest | ChatRequest, outcome: RowOutcome) -> dict[str, Any]:
+    """A finished choice's ``weight_version``, and its per-token ``weight_versions`` if asked."""
+    versions: dict[str, Any] = {"weight_version": outcome.weight_version}
+    if req.return_weight_versions:
+        versions["weight_versions"] = outcome.weight_versions
+    return versions
+
+
 def _with_usage(options: StreamOptions | None) -> bool:
     return options is not None and bool(options.include_usage)
 
@@ -207,10 +215,8 @@ def _completion_choice(
         else None,
         "prompt_token_ids": prompt if req.return_token_ids else None,
         "routed_experts": None,
-        "weight_version": outcome.weight_version,
+        **_versions(req, outcome),
     }
-    if req.return_weight_versions:
-        choice["weight_versions"] = outcome.weight_versions
     return choice
 
 
@@ -261,9 +267,7 @@ async def _stream_completion(
                 "token_ids": event.token_ids if req.return_token_ids else None,
             }
             if event.finished:
-                choice["weight_version"] = outcome.weight_version
-                if req.return_weight_versions:
-                    choice["weight_versions"] = outcome.weight_versions
+                choice.update(_versions(req, outcome))
             yield sse(_stamped(state, {**head, "choices": [choice]}, event.finished and not usage))
         if usage:
             yield _usage_chunk(state, head, sum(len(p) for p in plan.prompts), generated)
@@ -341,10 +345,8 @@ def _chat_choice(
         "stop_reason": outcome.stop_reason,
         "token_ids": outcome.token_ids if req.return_token_ids else None,
         "routed_experts": None,
-        "weight_version": outcome.weight_version,
+        **_versions(req, outcome),
     }
-    if req.return_weight_versions:
-        choice["weight_versions"] = outcome.weight_versions
     return choice
 
 
@@ -399,9 +401,7 @@ async def _stream_chat(
             }
             if event.finished:
                 choice["stop_reason"] = outcome.stop_reason
-                choice["weight_version"] = outcome.weight_version
-                if req.return_weight_versions:
-                    choice["weight_versions"] = outcome.weight_versions
+                choice.update(_versions(req, outcome))
             yield sse(_stamped(state, {**base, "choices": [choice]}, event.finished and not usage))
         if usage:
             yield _usage_chunk(state, base, len(prompt), generated)
