@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,7 +68,10 @@ from gen_interface.weights.consumer import (
     state_dict_specs,
 )
 from gen_interface.weights.handles import describe_slots
+from gen_interface.weights.shm import sweep_orphans
 from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GenerationBackend", "GenerationCall"]
 
@@ -124,6 +128,9 @@ class GenerationBackend(GenerationInterface):
         weights_absent: str | None = None,
         max_top_logprobs: int | None = None,
     ):
+        removed = sweep_orphans()  # shared weights of trainers that died without closing them
+        if removed:
+            logger.info("removed %d shared-memory segments of processes gone", len(removed))
         self.config = config
         self.max_top_logprobs = max_top_logprobs
         self.vocab_size = vocab_size

@@ -1,7 +1,14 @@
 """Shared-memory segments as files under ``/dev/shm``, mapped into tensors with no copy.
 
 Plain files are used rather than ``multiprocessing.shared_memory`` so that no resource tracker in
-any process unlinks or warns about segments it does not own; the owner unlinks them explicitly.
+any process unlinks or warns about segments it does not own; the owner unlinks them explicitly,
+and its holders (``BucketRing``, ``SharedWeights``) do so when collected or at interpreter exit.
+
+A segment cannot outlive its owner for long even when the owner dies without a word (SIGKILL,
+the OOM killer, a preempted node): its name holds the owner's pid and that process's start
+time, and ``sweep_orphans`` removes every segment whose owner is no longer running. It runs when
+a process makes its first segment and when a backend starts. The start time tells a reused pid
+from the owner.
 """
 
 from __future__ import annotations
@@ -18,9 +25,18 @@ import torch
 
 from gen_interface.errors import WeightUpdateError
 
-__all__ = ["create_segment", "map_segment", "segment_dir", "unlink_segment"]
+__all__ = [
+    "create_segment",
+    "map_segment",
+    "owner_of",
+    "segment_dir",
+    "sweep_orphans",
+    "unlink_segment",
+]
 
 SEGMENT_PREFIX = "gen_interface-"
+
+_swept_for_pid: int | None = None  # the process (after a fork, the child) that swept already
 
 # Mappings kept by map_segment(cache=True): path -> ((inode, size), mapping), oldest first.
 _MAPPINGS: OrderedDict[str, tuple[tuple[int, int], torch.Tensor]] = OrderedDict()
@@ -43,8 +59,13 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
         WeightUpdateError: the shared-memory file system has no room (the message says how much
             was needed and where).
     """
+    global _swept_for_pid
+    if _swept_for_pid != os.getpid():
+        _swept_for_pid = os.getpid()
+        sweep_orphans()
     size = max(nbytes, 1)
-    path = str(segment_dir() / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    owner = f"{os.getpid()}-{_start_time(os.getpid()) or 0}"
+    path = str(segment_dir() / f"{SEGMENT_PREFIX}{owner}-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         # Reserve the pages now: writing past a full tmpfs through a mapping kills the process
@@ -108,3 +129,74 @@ def unlink_segment(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def owner_of(path: str | Path) -> tuple[int, int | None] | None:
+    """``(pid, start time or None)`` of the process that made segment ``path``, from its name;
+    None for a name this module did not make. Names of earlier releases carry no start time."""
+    name = Path(path).name
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    parts = name[len(SEGMENT_PREFIX) :].split("-")
+    try:
+        if len(parts) == 3:
+            return int(parts[0]), int(parts[1]) or None
+        if len(parts) == 2:
+            return int(parts[0]), None
+    except ValueError:
+        return None
+    return None
+
+
+def sweep_orphans(directory: Path | None = None) -> list[str]:
+    """Remove every segment of this module whose owner is no longer running; returns their
+    paths. A segment whose owner cannot be told apart from a live process is kept."""
+    removed: list[str] = []
+    root = directory if directory is not None else segment_dir()
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        owner = owner_of(entry)
+        if owner is None or _running(*owner):
+            continue
+        if unlink_segment(str(entry)):
+            removed.append(str(entry))
+    return removed
+
+
+def _running(pid: int, start_time: int | None) -> bool:
+    """Whether process ``pid`` lives (a zombie does not) and, when ``start_time`` is known, is
+    the one that started then (not a later process given the same pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, as another user
+    seen = _stat(pid)
+    if seen is None:
+        return True  # no /proc to ask: trust the pid
+    state, started = seen
+    return state != "Z" and (start_time is None or started == start_time)
+
+
+def _start_time(pid: int) -> int | None:
+    """Process ``pid``'s start time in clock ticks since boot (Linux ``/proc``), else None."""
+    seen = _stat(pid)
+    return seen[1] if seen is not None else None
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``(state, start time)`` of process ``pid`` from ``/proc/<pid>/stat``; None without it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields 3 and 22, counted after the command name, which may hold spaces and parentheses.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None

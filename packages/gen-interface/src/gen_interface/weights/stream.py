@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -57,6 +58,8 @@ class BucketRing:
         self.places = list(places)
         self.capacity = capacity
         self._slots: list[list[Allocation | None]] = [[None] * count for _ in self.places]
+        # Collected or at interpreter exit, the segments go with the ring.
+        weakref.finalize(self, _free_slots, self._slots)
 
     @property
     def count(self) -> int:
@@ -86,11 +89,7 @@ class BucketRing:
 
     def close(self) -> None:
         """Unlink every segment and drop every CUDA bucket. Idempotent."""
-        for allocations in self._slots:
-            for i, allocation in enumerate(allocations):
-                if allocation is not None:
-                    _free(allocation)
-                    allocations[i] = None
+        _free_slots(self._slots)
 
     def __enter__(self) -> BucketRing:
         return self
@@ -212,3 +211,11 @@ def refit(
 def _free(allocation: Allocation) -> None:
     if allocation.path:
         unlink_segment(allocation.path)
+
+
+def _free_slots(slots: list[list[Allocation | None]]) -> None:
+    for allocations in slots:
+        for i, allocation in enumerate(allocations):
+            if allocation is not None:
+                _free(allocation)
+                allocations[i] = None
