@@ -76,7 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each engine")
-    parser.add_argument("--startups", type=int, default=2, help="timed start-ups of each kind")
+    parser.add_argument(
+        "--startups", type=int, default=2, help="timed start-ups of each kind (0: none)"
+    )
     parser.add_argument("--kv-gib", type=float, default=1.0)
     parser.add_argument(
         "--bare-chunked-prefill",
@@ -194,6 +196,9 @@ def startup_seconds(script: str, *argv: str) -> float:
 
 
 def bench_startups(model: str, args: argparse.Namespace) -> dict[str, float]:
+    """Median start-up seconds of each kind; none with ``--startups 0``."""
+    if args.startups < 1:
+        return {}
     kv = str(args.kv_gib)
     runs = range(args.startups)
     out = {
@@ -255,6 +260,8 @@ def main() -> None:
 
 
 def print_startups(startups: dict[str, float]) -> None:
+    if not startups:
+        return
     print("\n| start-up, fresh process to first token | s | vs bare |\n|---|---|---|")
     for name, seconds in startups.items():
         print(f"| {name} | {seconds:.1f} | {seconds / startups['bare vllm.LLM']:.2f} |")
