@@ -3,13 +3,16 @@
     uv run python tools/bench/refit.py [--models bench-50m,bench-250m] [--reps 3]
 
 For each random float32 model, in one run: a plain copy of the same tensors (``dst.copy_(src)``,
-the ceiling), then every refit path into gen-hf and into gen-vllm with one and with two
+the ceiling); bare vLLM's own in-process ``reload_weights(weights_iterator=...)`` of the same
+tensors (``bare``: no transport, no checks, vLLM's weight processing included: the floor any
+vLLM refit pays); then every refit path into gen-hf and into gen-vllm with one and with two
 replicas, each repeated and interleaved with the copy so that load from elsewhere falls on all
 alike. Paths: ``refit`` (streamed through two reusable shared-memory buckets), ``one-shot``
 (``share_weights`` + one ``update_weights_from_ipc_handles``), and for vLLM ``collective``
 (``WeightBroadcaster`` over gloo). Every path is a complete, verified transaction.
 
 Reports, per path, the best time, GB/s (model bytes / seconds), the ratio to the copy's GB/s,
+the ratio of its time to bare vLLM's reload of the same model,
 and the peak extra memory of the trainer (this process's private memory plus shared memory in
 use) and of a worker (the worker process's private memory; the backend's own process for HF).
 Run it on an otherwise idle machine.
@@ -40,7 +43,9 @@ MIB = 2**20
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="bench-50m,bench-250m", help="testkit presets")
-    parser.add_argument("--backends", default="hf,vllm1,vllm2", help="hf, vllm1, vllm2")
+    parser.add_argument(
+        "--backends", default="bare,hf,vllm1,vllm2", help="bare (vLLM's reload), hf, vllm1, vllm2"
+    )
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every path")
     parser.add_argument("--bucket-mib", type=int, default=64, help="streaming bucket size")
     return parser.parse_args()
@@ -93,6 +98,32 @@ def timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+class BareVllm:
+    """A bare in-process ``vllm.LLM``: its own ``reload_weights`` is the floor of a vLLM refit."""
+
+    def __init__(self, model_path: str):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            kv_cache_memory_bytes=1 << 28,
+            enable_chunked_prefill=False,
+        )
+
+    def reload(self, weights: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights.items())}
+        )
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+
+
 def build_backend(kind: str, model_path: str) -> Any:
     tokenizer = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
     config: dict[str, Any] = {
@@ -102,6 +133,8 @@ def build_backend(kind: str, model_path: str) -> Any:
         "dtype": "float32",
         "stop_token_ids": [],
     }
+    if kind == "bare":
+        return BareVllm(model_path)
     if kind == "hf":
         from gen_hf import HfGeneration
 
@@ -119,10 +152,12 @@ def build_backend(kind: str, model_path: str) -> Any:
 
 
 def worker_pid(kind: str, backend: Any) -> int:
-    return os.getpid() if kind == "hf" else backend.replicas.infos[0]["pid"]
+    return os.getpid() if kind in ("hf", "bare") else backend.replicas.infos[0]["pid"]
 
 
 def paths_for(kind: str, backend: Any, bucket: int) -> dict[str, Callable[[dict], Any]]:
+    if kind == "bare":
+        return {"reload_weights": backend.reload}
     refitter = Refitter(backend, bucket_bytes=bucket)  # keeps its buckets, as a training loop would
 
     def one_shot(weights: dict) -> None:
@@ -161,8 +196,8 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
             for name, run in paths.items():
                 with MemoryPeak(pids) as peak:
                     best[name] = min(best[name], timed(lambda run=run: run(weights)))
-                # HF runs in this process: its private memory counts as the worker's.
-                private = peak.extra("trainer") if kind != "hf" else 0
+                # HF and bare vLLM run in this process: its memory counts as the worker's.
+                private = peak.extra("trainer") if kind not in ("hf", "bare") else 0
                 trainer, worker = memory.get(name, (0, 0))  # the largest over repetitions:
                 memory[name] = (  # the first streamed refit allocates the buckets it keeps
                     max(trainer, peak.extra("shm") + private),
@@ -171,7 +206,9 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
     finally:
         backend.shutdown()
     copy_gbs = nbytes / best_copy / GB
-    label = {"hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[kind]
+    label = {"bare": "bare vLLM", "hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[
+        kind
+    ]
     rows = []
     for name, seconds in best.items():
         gbs = nbytes / seconds / GB
@@ -212,12 +249,17 @@ def main() -> list[dict[str, Any]]:
         for kind in args.backends.split(","):
             rows.extend(measure(kind, preset, weights, args))
     print()
-    print("| model | backend | path | s | GB/s | ratio to copy | trainer +MiB | worker +MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    floor = {r["model"]: r["seconds"] for r in rows if r["backend"] == "bare vLLM"}
+    print(
+        "| model | backend | path | s | GB/s | ratio to copy | time / bare vLLM reload "
+        "| trainer +MiB | worker +MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        to_floor = f"{r['seconds'] / floor[r['model']]:.2f}" if r["model"] in floor else "-"
         print(
             f"| {r['model']} | {r['backend']} | {r['path']} | {r['seconds']:.3f} | "
-            f"{r['gb_s']:.2f} | {r['ratio']:.2f} (copy {r['copy_gb_s']:.2f} GB/s) | "
+            f"{r['gb_s']:.2f} | {r['ratio']:.2f} (copy {r['copy_gb_s']:.2f} GB/s) | {to_floor} | "
             f"{r['trainer_extra_mib']:.0f} | {r['worker_extra_mib']:.0f} |"
         )
     return rows
