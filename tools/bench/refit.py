@@ -48,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every path")
     parser.add_argument("--bucket-mib", type=int, default=64, help="streaming bucket size")
+    parser.add_argument("--buffers", type=int, default=2, help="streaming buckets per place")
     return parser.parse_args()
 
 
@@ -155,10 +156,13 @@ def worker_pid(kind: str, backend: Any) -> int:
     return os.getpid() if kind in ("hf", "bare") else backend.replicas.infos[0]["pid"]
 
 
-def paths_for(kind: str, backend: Any, bucket: int) -> dict[str, Callable[[dict], Any]]:
+def paths_for(
+    kind: str, backend: Any, bucket: int, buffers: int
+) -> dict[str, Callable[[dict], Any]]:
     if kind == "bare":
         return {"reload_weights": backend.reload}
-    refitter = Refitter(backend, bucket_bytes=bucket)  # keeps its buckets, as a training loop would
+    # keeps its buckets, as a training loop would
+    refitter = Refitter(backend, bucket_bytes=bucket, buffers=buffers)
 
     def one_shot(weights: dict) -> None:
         with share_weights(weights) as shared:
@@ -186,7 +190,7 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
     copy()
     backend = build_backend(kind, str(build_tiny_model(preset).path))
     try:
-        paths = paths_for(kind, backend, args.bucket_mib * MIB)
+        paths = paths_for(kind, backend, args.bucket_mib * MIB, args.buffers)
         best = dict.fromkeys(paths, float("inf"))
         best_copy = float("inf")
         memory: dict[str, tuple[int, int]] = {}
@@ -243,7 +247,7 @@ def main() -> list[dict[str, Any]]:
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         print(
             f"{preset}: {model.spec.parameter_count() / 1e6:.0f}M parameters, "
-            f"{nbytes / GB:.2f} GB float32, {args.bucket_mib} MiB buckets",
+            f"{nbytes / GB:.2f} GB float32, {args.buffers} x {args.bucket_mib} MiB buckets",
             flush=True,
         )
         for kind in args.backends.split(","):
