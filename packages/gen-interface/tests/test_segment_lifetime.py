@@ -49,7 +49,7 @@ TRAINER = textwrap.dedent(
 
 def _segments_of(pid: int) -> list[Path]:
     return [
-        p for p in segment_dir().iterdir() if (owner := owner_of(p)) is not None and owner[0] == pid
+        p for p in segment_dir().iterdir() if (owner := owner_of(p)) is not None and owner[1] == pid
     ]
 
 
@@ -89,23 +89,35 @@ def test_a_trainer_killed_mid_refit_leaves_no_segment_once_a_backend_starts():
 
 def test_the_sweep_removes_only_segments_whose_owner_is_gone(tmp_path):
     dead_pid = _a_pid_not_running()
-    my_start = owner_of(create_segment(1)[0])
-    assert my_start is not None and my_start[0] == os.getpid()
+    mine = owner_of(create_segment(1)[0])
+    assert mine is not None and mine[1] == os.getpid()
+    namespace, pid, start = mine[0], mine[1], mine[2] or 0
+
+    def name(ns: object, pid: int, start: int) -> str:
+        return f"{SEGMENT_PREFIX}{ns}-{pid}-{start}-{uuid.uuid4().hex}"
+
     names = {
-        "dead": f"{SEGMENT_PREFIX}{dead_pid}-123-{uuid.uuid4().hex}",
+        "dead": name(namespace, dead_pid, 123),
         "dead_old_format": f"{SEGMENT_PREFIX}{dead_pid}-{uuid.uuid4().hex}",
         # this process's pid, another start time: a process that had the pid before
-        "reused_pid": f"{SEGMENT_PREFIX}{os.getpid()}-{(my_start[1] or 0) + 1}-{uuid.uuid4().hex}",
-        "mine": f"{SEGMENT_PREFIX}{os.getpid()}-{my_start[1] or 0}-{uuid.uuid4().hex}",
-        "mine_old_format": f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex}",
+        "reused_pid": name(namespace, pid, start + 1),
+        "mine": name(namespace, pid, start),
+        "mine_old_format": f"{SEGMENT_PREFIX}{pid}-{uuid.uuid4().hex}",
+        # a dead pid here, but made in another PID namespace (another container)
+        "other_namespace": name((namespace or 0) + 1, dead_pid, 123),
         "not_ours": f"something-{dead_pid}-123-{uuid.uuid4().hex}",
     }
-    for name in names.values():
-        (tmp_path / name).write_bytes(b"x")
+    for entry in names.values():
+        (tmp_path / entry).write_bytes(b"x")
     removed = {Path(p).name for p in sweep_orphans(tmp_path)}
     assert removed == {names["dead"], names["dead_old_format"], names["reused_pid"]}
     left = {p.name for p in tmp_path.iterdir()}
-    assert left == {names["mine"], names["mine_old_format"], names["not_ours"]}
+    assert left == {
+        names["mine"],
+        names["mine_old_format"],
+        names["other_namespace"],
+        names["not_ours"],
+    }
 
 
 @pytest.fixture(autouse=True)

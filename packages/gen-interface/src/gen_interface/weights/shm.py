@@ -5,10 +5,11 @@ any process unlinks or warns about segments it does not own; the owner unlinks t
 and its holders (``BucketRing``, ``SharedWeights``) do so when collected or at interpreter exit.
 
 A segment cannot outlive its owner for long even when the owner dies without a word (SIGKILL,
-the OOM killer, a preempted node): its name holds the owner's pid and that process's start
+the OOM killer, a preempted node): its name holds the owner's PID namespace, pid and start
 time, and ``sweep_orphans`` removes every segment whose owner is no longer running. It runs when
 a process makes its first segment and when a backend starts. The start time tells a reused pid
-from the owner.
+from the owner; segments made in another PID namespace (a container sharing ``/dev/shm``) are
+left alone, since their owners cannot be seen from here.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
         _swept_for_pid = os.getpid()
         sweep_orphans()
     size = max(nbytes, 1)
-    owner = f"{os.getpid()}-{_start_time(os.getpid()) or 0}"
+    owner = f"{_pid_namespace()}-{os.getpid()}-{_start_time(os.getpid()) or 0}"
     path = str(segment_dir() / f"{SEGMENT_PREFIX}{owner}-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -131,18 +132,19 @@ def unlink_segment(path: str) -> bool:
     return True
 
 
-def owner_of(path: str | Path) -> tuple[int, int | None] | None:
-    """``(pid, start time or None)`` of the process that made segment ``path``, from its name;
-    None for a name this module did not make. Names of earlier releases carry no start time."""
+def owner_of(path: str | Path) -> tuple[int | None, int, int | None] | None:
+    """``(PID namespace, pid, start time)`` of the process that made segment ``path``, from its
+    name (namespace and start time None where unknown: names of earlier releases hold the pid
+    alone); None for a name this module did not make."""
     name = Path(path).name
     if not name.startswith(SEGMENT_PREFIX):
         return None
     parts = name[len(SEGMENT_PREFIX) :].split("-")
     try:
-        if len(parts) == 3:
-            return int(parts[0]), int(parts[1]) or None
+        if len(parts) == 4:
+            return int(parts[0]), int(parts[1]), int(parts[2]) or None
         if len(parts) == 2:
-            return int(parts[0]), None
+            return None, int(parts[0]), None
     except ValueError:
         return None
     return None
@@ -150,20 +152,33 @@ def owner_of(path: str | Path) -> tuple[int, int | None] | None:
 
 def sweep_orphans(directory: Path | None = None) -> list[str]:
     """Remove every segment of this module whose owner is no longer running; returns their
-    paths. A segment whose owner cannot be told apart from a live process is kept."""
+    paths. A segment whose owner cannot be told apart from a live process, or that was made in
+    another PID namespace, is kept."""
     removed: list[str] = []
     root = directory if directory is not None else segment_dir()
     try:
         entries = list(root.iterdir())
     except OSError:
         return removed
+    here = _pid_namespace()
     for entry in entries:
         owner = owner_of(entry)
-        if owner is None or _running(*owner):
+        if owner is None:
+            continue
+        namespace, pid, start_time = owner
+        if (namespace is not None and namespace != here) or _running(pid, start_time):
             continue
         if unlink_segment(str(entry)):
             removed.append(str(entry))
     return removed
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``); 0 where unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _running(pid: int, start_time: int | None) -> bool:
