@@ -26,11 +26,9 @@ A ``BackendBrokenError`` raised by any step marks the backend broken (every late
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
+import functools
 import logging
-import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, cast
@@ -60,6 +58,7 @@ from gen_interface.specs import (
     ScoreSpec,
 )
 from gen_interface.stepping import RowControl
+from gen_interface.threaded_rows import rows_from_thread
 from gen_interface.weights.consumer import (
     TensorSpecs,
     check_update_is_complete,
@@ -442,54 +441,9 @@ class GenerationBackend(GenerationInterface):
             async for whole_row in self._stream_rows(call):
                 yield whole_row
             return
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, RowEvent | RowResult] | None] = asyncio.Queue()
-        handoff = _Handoff(loop, queue)
-
-        def on_token(i: int, token: int, lp: float, ids: list[int], lps: list[float]) -> None:
-            handoff.put((i, RowEvent(i, [token], [lp], [ids], [lps])))
-
-        control = RowControl(
-            on_row=lambda i, row: handoff.put((i, row)),
-            on_token=on_token if tokens else None,
-        )
-
-        worker: asyncio.Future[Sequence[RowResult | None]] = loop.create_future()
-
-        def settle(outcome: Any, error: BaseException | None) -> None:
-            if not worker.done():
-                if error is not None:
-                    worker.set_exception(error)
-                else:
-                    worker.set_result(outcome)
-            queue.put_nowait(None)
-
-        def run() -> None:
-            outcome: Any = None
-            error: BaseException | None = None
-            try:
-                outcome = self._run_rows(call, control)
-            except BaseException as exc:
-                error = exc
-            handoff.flush_then(settle, outcome, error)
-
-        # A thread of its own per call, not a pool's: calls run side by side (in-process
-        # backends interleave them step by step), so a short one never waits for a long one.
-        threading.Thread(target=run, name=f"{type(self).__name__}-call", daemon=True).start()
-        finished: set[int] = set()
-        try:
-            while (item := await queue.get()) is not None:
-                if isinstance(item[1], RowResult):
-                    finished.add(item[0])
-                yield item
-            for index, row in enumerate(await worker):
-                if row is not None and index not in finished:
-                    yield index, row
-        finally:
-            if not worker.done():  # the caller stopped reading: end the call, then wait for it
-                control.cancelled.set()
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(worker)
+        run_rows = functools.partial(self._run_rows, call)
+        async for item in rows_from_thread(run_rows, tokens=tokens, name=type(self).__name__):
+            yield item
 
     def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
         """Per row, the raw logprob of each response token and the ``top_logprobs`` likeliest
@@ -539,43 +493,6 @@ class GenerationBackend(GenerationInterface):
             f"{what} need a tokenizer and this {type(self).__name__} has none (model "
             f"{self.config.get('model_name')!r}); use stop_token_ids"
         )
-
-
-class _Handoff:
-    """Items from a decoding thread to an event loop's queue, in order, many per wake-up.
-
-    Waking the loop costs a system call and a turn of the GIL; one per token (a batch of 256
-    rows is 256 tokens a step) slowed a streamed call by a tenth. Items wait in a list until the
-    loop runs the one drain scheduled for them.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]):
-        self._loop = loop
-        self._queue = queue
-        self._lock = threading.Lock()
-        self._items: list[Any] = []
-
-    def put(self, item: Any) -> None:
-        with self._lock:
-            self._items.append(item)
-            first = len(self._items) == 1
-        if first:  # the list was empty: no drain is scheduled
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def flush_then(self, callback: Any, *args: Any) -> None:
-        """Hand over what waits, then run ``callback(*args)`` on the loop."""
-
-        def both() -> None:
-            self._drain()
-            callback(*args)
-
-        self._loop.call_soon_threadsafe(both)
-
-    def _drain(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for item in items:
-            self._queue.put_nowait(item)
 
 
 def _check_every_row(present: Collection[int], count: int) -> None:

@@ -160,11 +160,9 @@ def _chat_token(
     bytes are of its text even when ``token`` is ``"token_id:N"`` (None without a tokenizer);
     a top entry's are of its ``token``."""
     text = token_string(codec, token, as_ids, context)
-    if not chosen:
-        return {"token": text, "bytes": list(text.encode("utf-8", errors="replace"))}
-    if codec is None:
+    if chosen and codec is None:
         return {"token": text, "bytes": None}
-    shown = codec.logprob_text(token, context)
+    shown = codec.logprob_text(token, context) if chosen and as_ids and codec else text
     return {"token": text, "bytes": list(shown.encode("utf-8", errors="replace"))}
 
 

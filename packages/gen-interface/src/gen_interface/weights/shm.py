@@ -37,7 +37,9 @@ __all__ = [
 
 SEGMENT_PREFIX = "gen_interface-"
 
-_swept_for_pid: int | None = None  # the process (after a fork, the child) that swept already
+# ``(pid, "<namespace>-<pid>-<start time>")`` of the process that made segments last (after a
+# fork the child differs): it swept orphans once, and names its segments with the tag.
+_owner: tuple[int, str] | None = None
 
 # Mappings kept by map_segment(cache=True): path -> ((inode, size), mapping), oldest first.
 _MAPPINGS: OrderedDict[str, tuple[tuple[int, int], torch.Tensor]] = OrderedDict()
@@ -60,13 +62,13 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
         WeightUpdateError: the shared-memory file system has no room (the message says how much
             was needed and where).
     """
-    global _swept_for_pid
-    if _swept_for_pid != os.getpid():
-        _swept_for_pid = os.getpid()
+    global _owner
+    pid = os.getpid()
+    if _owner is None or _owner[0] != pid:
+        _owner = (pid, f"{_pid_namespace()}-{pid}-{_start_time(pid) or 0}")
         sweep_orphans()
     size = max(nbytes, 1)
-    owner = f"{_pid_namespace()}-{os.getpid()}-{_start_time(os.getpid()) or 0}"
-    path = str(segment_dir() / f"{SEGMENT_PREFIX}{owner}-{uuid.uuid4().hex}")
+    path = str(segment_dir() / f"{SEGMENT_PREFIX}{_owner[1]}-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         # Reserve the pages now: writing past a full tmpfs through a mapping kills the process
