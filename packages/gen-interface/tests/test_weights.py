@@ -19,6 +19,7 @@ from gen_interface.weights import (
     share_weights,
     weights_checksum,
 )
+from gen_interface.weights.handles import HANDLES_FORMAT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,7 +155,9 @@ def test_malformed_handles_are_refused():
     with pytest.raises(WeightUpdateError, match="format"):
         describe_weight_handles({"buckets": []})
     with pytest.raises(WeightUpdateError, match="malformed"):
-        describe_weight_handles({"format": 2, "host": "h", "buckets": [{"tensors": [{}]}]})
+        describe_weight_handles(
+            {"format": HANDLES_FORMAT, "host": "h", "buckets": [{"tensors": [{}]}]}
+        )
 
 
 def test_checksums_see_changed_and_moved_bytes():
@@ -197,7 +200,12 @@ def _gpu_copy(uuid: str, names: list[str], shape: list[int] | None = None) -> di
 
 
 def _handles(*buckets, host="h") -> dict:
-    return {"format": 2, "host": host, "buckets": list(buckets), "release_after_read": True}
+    return {
+        "format": HANDLES_FORMAT,
+        "host": host,
+        "buckets": list(buckets),
+        "release_after_read": True,
+    }
 
 
 def test_each_worker_reads_the_copy_on_its_own_gpu():

@@ -219,10 +219,13 @@ class HfGeneration(InProcessBackend):
 
     # ---- weights: InProcessBackend runs the update through the gate; this writes them -------
 
-    def _write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _weight_targets(self) -> Mapping[str, torch.Tensor]:
         if self._targets is None:  # the model's tensors by name, while they do not move
             self._targets = self._model().model.state_dict()
-        write_weights(self._targets, tensors)
+        return self._targets
+
+    def _write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        write_weights(self._weight_targets(), tensors)
 
     def _model(self) -> LoadedModel:
         if self._loaded is None:  # a guarded section checked the state; this is a shut-down race

@@ -18,7 +18,7 @@ import torch
 from gen_interface.backend import GenerationBackend
 from gen_interface.interface import InFlight
 from gen_interface.stepping import StepGate
-from gen_interface.weights.consumer import iter_shared_weights
+from gen_interface.weights.consumer import iter_shared_weights, write_shared_weights
 
 __all__ = ["InProcessBackend"]
 
@@ -40,10 +40,19 @@ class InProcessBackend(GenerationBackend):
         (the caller holds ``gate.lock`` and checked names, shapes and dtypes)."""
         raise NotImplementedError(f"{type(self).__name__} does not support weight updates")
 
+    def _weight_targets(self) -> Mapping[str, torch.Tensor] | None:
+        """The model's tensors by checkpoint name, to copy shared weights straight into (the
+        caller holds ``gate.lock``); None to receive them through ``_write_tensors``."""
+        return None
+
     def _load_handles(self, handles: Mapping[str, Any]) -> None:
-        # Each tensor is verified just before it is copied in, while its bytes are in cache.
+        # Each byte is verified just before it is copied in, while it is in cache.
         with self.gate.lock:
-            self._write_tensors(iter_shared_weights(handles))
+            targets = self._weight_targets()
+            if targets is not None:
+                write_shared_weights(handles, targets)
+            else:
+                self._write_tensors(iter_shared_weights(handles))
 
     def _write_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         with self.gate.lock:

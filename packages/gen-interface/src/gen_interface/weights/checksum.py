@@ -1,8 +1,9 @@
 """Checksums of tensor bytes at memory speed, to prove a worker loaded what was sent.
 
 Not cryptographic: they detect stale, partial, torn or misplaced weights. One pass over the
-bytes: xxHash's XXH3 (64-bit) for host memory; for CUDA memory, a reduction on the device (the
-bytes never cross to the host).
+bytes: for host memory, xxHash's XXH3 (64-bit) of every 1 MiB chunk (``chunked.py``, on a few
+threads), combined; for CUDA memory, a reduction on the device (the bytes never cross to the
+host).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from gen_interface.weights.chunked import chunk_checksums
 
 __all__ = ["bytes_checksum", "combine_checksums", "weights_checksum"]
 
@@ -22,10 +25,11 @@ _LANES = 64
 def bytes_checksum(data: torch.Tensor) -> int:
     """Checksum of a tensor's bytes (any dtype, shape or device), in one pass.
 
-    Host tensors: XXH3-64 of the bytes in memory order. CUDA tensors: the bytes as 64-bit
-    words summed into 64 lanes by position (word i into lane i % 64) on the device, the lanes
-    weighted by distinct odd multipliers; sensitive to changed bytes and to words moved to
-    another lane. The two kinds differ: compare checksums of the same device type.
+    Host tensors: the XXH3-64 of every ``CHUNK_BYTES`` chunk, in memory order, combined by
+    ``combine_checksums`` (a copy that hashes chunk by chunk gets it for free). CUDA tensors:
+    the bytes as 64-bit words summed into 64 lanes by position (word i into lane i % 64) on
+    the device, the lanes weighted by distinct odd multipliers; sensitive to changed bytes and
+    to words moved to another lane. The two kinds differ: compare checksums of the same device type.
     """
     raw = data.detach()
     if not raw.is_contiguous():
@@ -33,11 +37,9 @@ def bytes_checksum(data: torch.Tensor) -> int:
     raw = raw.reshape(-1).view(torch.uint8)
     if raw.device.type == "cuda":
         return _device_checksum(raw)
-    import xxhash
-
     if raw.device.type != "cpu":
         raw = raw.cpu()
-    return int(xxhash.xxh3_64_intdigest(raw.numpy().data)) & _MASK63
+    return combine_checksums(chunk_checksums(raw))
 
 
 def combine_checksums(checksums: Iterable[int]) -> int:

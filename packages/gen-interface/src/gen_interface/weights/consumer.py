@@ -10,6 +10,7 @@ import torch
 
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import combine_checksums
+from gen_interface.weights.chunked import verified_copy
 from gen_interface.weights.cuda_ipc import import_cuda_bucket
 from gen_interface.weights.handles import (
     HANDLES_FORMAT,
@@ -17,6 +18,7 @@ from gen_interface.weights.handles import (
     WeightHandles,
     bucket_place,
     describe_weight_handles,
+    dtype_from_name,
     dtype_name,
 )
 from gen_interface.weights.layout import unpack, unpack_verified
@@ -33,6 +35,7 @@ __all__ = [
     "read_shared_weights",
     "release_shared_weights",
     "state_dict_specs",
+    "write_shared_weights",
 ]
 
 TensorSpecs = Mapping[str, tuple[torch.Size, torch.dtype]]
@@ -163,6 +166,51 @@ def iter_shared_weights(handles: Mapping[str, Any]) -> Iterator[tuple[str, torch
     """
     for bucket in handles["buckets"]:
         yield from unpack_verified(_map(handles, bucket), bucket["tensors"])
+
+
+def write_shared_weights(handles: Mapping[str, Any], targets: Mapping[str, torch.Tensor]) -> int:
+    """Copy every weight of ``handles`` into ``targets[name]`` in place, verifying each byte just
+    before it is written: a host tensor of the same dtype is verified and copied chunk by chunk,
+    on a few threads (``chunked.verified_copy``), so its bytes are read from memory once; any
+    other (a cast, a GPU model) is verified whole, then copied.
+
+    The caller has checked names, shapes and dtypes (``check_weights_match``) and holds off
+    every reader of ``targets`` meanwhile.
+
+    Returns:
+        The number of tensors written.
+
+    Raises:
+        WeightUpdateError: a segment is gone or on another host, or bytes changed since they
+            were shared; the tensors (and, within a tensor, the chunks) before it were written,
+            each verified.
+    """
+    written = 0
+    with torch.no_grad():
+        for bucket in handles["buckets"]:
+            data = _map(handles, bucket)
+            for slot in bucket["tensors"]:
+                target = targets[slot["name"]]
+                if _copies_bytewise(target, slot):
+                    source = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
+                    flat = target.detach().view(-1).view(torch.uint8)
+                    verified_copy(flat, source, slot["chunks"], slot["name"])
+                else:
+                    for _, tensor in unpack_verified(data, [slot]):
+                        target.copy_(tensor)
+                written += 1
+    return written
+
+
+def _copies_bytewise(target: torch.Tensor, slot: Mapping[str, Any]) -> bool:
+    """Whether ``slot``'s bytes can be copied into ``target`` as they are, chunk by chunk."""
+    return (
+        "chunks" in slot
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.dtype == dtype_from_name(slot["dtype"])
+        and target.numel() * target.element_size() == slot["nbytes"]
+    )
 
 
 def _map(handles: Mapping[str, Any], bucket: Mapping[str, Any]) -> torch.Tensor:

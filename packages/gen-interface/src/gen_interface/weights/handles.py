@@ -7,7 +7,7 @@ alike; tensors are rebuilt on the consumer side from the names, dtypes, shapes a
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import torch
 
@@ -27,7 +27,7 @@ __all__ = [
     "handles_to_json",
 ]
 
-HANDLES_FORMAT = 2
+HANDLES_FORMAT = 3
 
 BucketTransport = Literal["shm", "cuda_ipc"]
 
@@ -41,6 +41,9 @@ class TensorSlot(TypedDict):
     offset: int  # bytes from the start of the bucket, 64-byte aligned
     nbytes: int
     checksum: int  # bytes_checksum of these bytes, taken right after they were written
+    # Host buckets: the checksum of every CHUNK_BYTES chunk (``checksum`` combines them), so a
+    # consumer can verify each chunk just before copying it, while it is in cache.
+    chunks: NotRequired[list[int]]
 
 
 class WeightBucket(TypedDict):

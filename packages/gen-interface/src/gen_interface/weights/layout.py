@@ -13,6 +13,7 @@ import torch
 
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import bytes_checksum, combine_checksums
+from gen_interface.weights.chunked import chunk_checksums, copy_with_checksums
 from gen_interface.weights.cuda_ipc import device_index, device_uuid, export_cuda_bucket
 from gen_interface.weights.handles import TensorSlot, WeightBucket, dtype_from_name, dtype_name
 from gen_interface.weights.shm import create_segment
@@ -113,7 +114,8 @@ def group_bytes(group: NamedTensors) -> int:
 
 def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int]:
     """Copy ``group`` (from any device) into the uint8 tensor ``data``, 64-byte aligned, and take
-    each tensor's checksum right after writing it (while its bytes are still in cache).
+    each tensor's checksum as it is written (host memory: chunk by chunk, each chunk hashed
+    while still in cache, ``chunked.py``).
 
     Returns:
         The slots describing where each tensor went, and the bytes used.
@@ -129,18 +131,26 @@ def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int
     for name, tensor in group:
         nbytes = tensor.numel() * tensor.element_size()
         region = data[offset : offset + nbytes]
-        if nbytes:
-            region.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        slots.append(
-            TensorSlot(
-                name=name,
-                dtype=dtype_name(tensor.dtype),
-                shape=list(tensor.shape),
-                offset=offset,
-                nbytes=nbytes,
-                checksum=bytes_checksum(region),
-            )
+        source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        slot = TensorSlot(
+            name=name,
+            dtype=dtype_name(tensor.dtype),
+            shape=list(tensor.shape),
+            offset=offset,
+            nbytes=nbytes,
+            checksum=0,
         )
+        if region.device.type == "cpu":
+            if source.device.type == "cpu":
+                slot["chunks"] = copy_with_checksums(region, source)
+            else:
+                region.copy_(source)
+                slot["chunks"] = chunk_checksums(region)
+            slot["checksum"] = combine_checksums(slot["chunks"])
+        else:
+            region.copy_(source)
+            slot["checksum"] = bytes_checksum(region)
+        slots.append(slot)
         offset += aligned(nbytes)
     return slots, offset
 
