@@ -5,6 +5,11 @@ Trainer, streamed through a few reusable buckets as one transaction (the usual w
     refitter = Refitter(generator)                      # keeps its buckets between refits
     version = refitter.refit(model.state_dict())        # after every training step
 
+Trainer whose host weights live in shared memory: refits send handles to them, no copy::
+
+    with share_parameters(model):                       # once; parameters now in /dev/shm
+        refitter.refit(model.state_dict())              # after every training step
+
 Trainer, one shot (all buckets at once; one complete transaction)::
 
     with share_weights(model.state_dict()) as shared:
@@ -42,6 +47,7 @@ from gen_interface.weights.handles import (
     handles_from_json,
     handles_to_json,
 )
+from gen_interface.weights.in_place import SharedParameters, share_parameters
 from gen_interface.weights.producer import DEFAULT_BUCKET_BYTES, SharedWeights, share_weights
 from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, Refitter, refit
 from gen_interface.weights.transaction import WeightTransaction
@@ -54,6 +60,7 @@ __all__ = [
     "BucketRing",
     "CollectiveEndpoint",
     "Refitter",
+    "SharedParameters",
     "SharedWeights",
     "TensorSlot",
     "TensorSpecs",
@@ -79,6 +86,7 @@ __all__ = [
     "receive_broadcast",
     "refit",
     "release_shared_weights",
+    "share_parameters",
     "share_weights",
     "state_dict_specs",
     "weights_checksum",

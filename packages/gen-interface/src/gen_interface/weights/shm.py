@@ -43,7 +43,7 @@ _owner: tuple[int, str] | None = None
 
 # Mappings kept by map_segment(cache=True): path -> ((inode, size), mapping), oldest first.
 _MAPPINGS: OrderedDict[str, tuple[tuple[int, int], torch.Tensor]] = OrderedDict()
-_CACHED_MAPPINGS = 8
+_CACHED_MAPPINGS = 64  # address space only: mappings of removed segments are dropped
 
 
 def segment_dir() -> Path:

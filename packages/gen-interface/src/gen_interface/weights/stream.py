@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gen_interface.interface import BackendCapabilities
 from gen_interface.weights.handles import HANDLES_FORMAT, WeightHandles
+from gen_interface.weights.in_place import in_place_handles, split_in_place
 from gen_interface.weights.layout import (
     Allocation,
     NamedTensors,
@@ -38,9 +40,9 @@ __all__ = ["DEFAULT_STREAM_BUCKET_BYTES", "BucketRing", "Refitter", "refit"]
 
 logger = logging.getLogger(__name__)
 
-#: Bucket size of a streaming refit: big enough that per-bucket calls cost little, small enough
-#: that the buckets stay in cache between the trainer writing them and a worker reading them.
-DEFAULT_STREAM_BUCKET_BYTES = 64 * 2**20
+#: Bucket size of a streaming refit into a backend that states no other
+#: (``BackendCapabilities.refit_bucket_bytes``): big enough that per-bucket calls cost little.
+DEFAULT_STREAM_BUCKET_BYTES = BackendCapabilities.refit_bucket_bytes
 
 
 class BucketRing:
@@ -102,26 +104,34 @@ class Refitter:
     """A trainer's streamed refits into one backend, keeping its buckets from one refit to the
     next (new buckets would be faulted in anew by the trainer and by every worker, each time).
 
+    Host tensors that already live in this project's shared memory (``share_parameters``) are
+    sent in place, with no copy and no bucket.
+
     Args:
         backend: any backend with weight-update transactions.
-        bucket_bytes: bytes per bucket.
+        bucket_bytes: bytes per bucket; default: what the backend states it loads fastest
+            (``capabilities.refit_bucket_bytes``).
         devices: GPUs to place a copy on, one per generation GPU (see ``share_weights``);
             default: the weights' own device.
-        buffers: buckets per place (2: double buffering).
+        buffers: buckets per place (2: double buffering); default: the backend's
+            ``capabilities.refit_buffers``.
     """
 
     def __init__(
         self,
         backend: GenerationInterface,
         *,
-        bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         devices: Sequence[torch.device | int | str] | None = None,
-        buffers: int = 2,
+        buffers: int | None = None,
     ):
+        capabilities = backend.capabilities
         self.backend = backend
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = (
+            capabilities.refit_bucket_bytes if bucket_bytes is None else bucket_bytes
+        )
         self.devices = devices
-        self.buffers = buffers
+        self.buffers = capabilities.refit_buffers if buffers is None else buffers
         self._ring: BucketRing | None = None
 
     def refit(
@@ -135,7 +145,9 @@ class Refitter:
 
         ``start_weight_update(version)``, then one ``update_weights_from_ipc_handles`` per bucket
         while the next bucket is filled, then ``commit_weight_update()``. If anything fails the
-        transaction is aborted (``abort_weight_update``) and the error raised.
+        transaction is aborted (``abort_weight_update``) and the error raised. Tensors in
+        ``share_parameters`` segments go in place: the trainer must not write to them until
+        this returns.
 
         Args:
             state_dict: every weight of the model, ``{name: tensor}`` or pairs, on one device.
@@ -151,22 +163,29 @@ class Refitter:
                 ``devices``.
         """
         tensors = named_tensors(state_dict)
-        groups = plan_buckets(tensors, self.bucket_bytes)
         places = resolve_places(tensors, self.devices)
-        if self._ring is None or self._ring.places != places:
+        in_place, to_copy = split_in_place(tensors) if places == [Place(None)] else ([], tensors)
+        groups = plan_buckets(to_copy, self.bucket_bytes)
+        if groups and (self._ring is None or self._ring.places != places):
             self.close()
             self._ring = BucketRing(places, self.bucket_bytes, self.buffers)
         ring = self._ring
         backend = self.backend
         with ThreadPoolExecutor(1) as loader:
             backend.start_weight_update(version, in_flight=in_flight)
-            loading: list[Future[None]] = []
+            loading: list[Future[None]] = []  # every load, in order
+            filled: list[Future[None]] = []  # loads of ring buckets, in order
             try:
-                for index, group in enumerate(groups):
-                    if len(loading) >= ring.count:  # the slot to fill is still being read
-                        loading.pop(0).result()
-                    handles = ring.fill(index % ring.count, group)
+                for path, segment, group in in_place:
+                    handles = in_place_handles(path, segment, group)
                     loading.append(loader.submit(backend.update_weights_from_ipc_handles, handles))
+                for index, group in enumerate(groups):
+                    assert ring is not None
+                    if len(filled) >= ring.count:  # the slot to fill is still being read
+                        filled.pop(0).result()
+                    handles = ring.fill(index % ring.count, group)
+                    filled.append(loader.submit(backend.update_weights_from_ipc_handles, handles))
+                    loading.append(filled[-1])
                 for future in loading:
                     future.result()
                 return backend.commit_weight_update()
@@ -178,6 +197,10 @@ class Refitter:
                 with contextlib.suppress(Exception):  # keep the original error
                     backend.abort_weight_update()
                 raise
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buckets held now (0 before the first copy, and after ``close``)."""
+        return 0 if self._ring is None else self._ring.allocated_bytes()
 
     def close(self) -> None:
         """Free the buckets. Idempotent; a later ``refit`` makes new ones."""
@@ -198,9 +221,9 @@ def refit(
     *,
     version: int | None = None,
     in_flight: InFlight = "keep",
-    bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     devices: Sequence[torch.device | int | str] | None = None,
-    buffers: int = 2,
+    buffers: int | None = None,
 ) -> int:
     """One streamed refit with buckets of its own (see ``Refitter.refit``); a training loop that
     refits every step keeps a ``Refitter`` instead, so its buckets are reused."""

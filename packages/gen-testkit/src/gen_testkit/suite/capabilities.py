@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationError, WeightUpdateError
-from gen_interface.weights import refit, share_weights
+from gen_interface.weights import Refitter, refit, share_parameters, share_weights
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -146,6 +146,29 @@ class CapabilityProperties(SuiteBase):
         refit(backend, original)
         assert torch.equal(backend.generate(batch, greedy=True)["logprobs"], before["logprobs"])
 
+    def test_a_refit_in_place_equals_a_copied_one(self, subject: ConformanceSubject):
+        """Weights that live in shared memory (``share_parameters``) are sent where they are,
+        with no bucket, and load exactly as copied ones do."""
+        transports = subject.backend.capabilities.weight_transports
+        if not self.claims_weight_updates or "shm" not in transports:
+            pytest.skip("backend does not take weights through shared memory")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        new = _perturbed(original)
+        refit(backend, new)
+        copied = backend.generate(batch, greedy=True)
+        refit(backend, original)
+        holder = _TensorHolder(new)
+        with share_parameters(holder), Refitter(backend) as refitter:
+            in_shm = holder.named()
+            assert all(t.data_ptr() != new[k].data_ptr() for k, t in in_shm.items())
+            refitter.refit(in_shm)
+            assert refitter.allocated_bytes() == 0, "tensors in shared memory were copied"
+        in_place = backend.generate(batch, greedy=True)
+        assert torch.equal(in_place["output_ids"], copied["output_ids"])
+        assert torch.equal(in_place["logprobs"], copied["logprobs"])
+        refit(backend, original)
+
     def test_float_weights_in_another_dtype_are_cast(self, subject: ConformanceSubject):
         """float64 master weights load as the model's dtype, exactly as a cast would."""
         if not self.claims_weight_updates:
@@ -219,3 +242,16 @@ def _score_input(drawn: DrawnBatch, output: Mapping[str, Any]) -> BatchedDataDic
         prompt_lengths=torch.tensor([len(p) for p in drawn.prompts], dtype=torch.int64),
         unpadded_sequence_lengths=output["unpadded_sequence_lengths"],
     )
+
+
+class _TensorHolder(torch.nn.Module):
+    """A module holding named tensors as buffers (checkpoint names may hold dots)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.names = list(tensors)
+        for index, tensor in enumerate(tensors.values()):
+            self.register_buffer(f"t{index}", tensor.clone())
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, f"t{i}") for i, name in enumerate(self.names)}

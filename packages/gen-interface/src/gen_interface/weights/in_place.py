@@ -1,0 +1,196 @@
+"""Zero-copy refits: a trainer's host weights kept in shared memory this project owns, so that a
+refit sends handles that point at the trainer's own tensors instead of copying them into buckets.
+
+    with share_parameters(model) as shared:       # parameters and buffers now live in /dev/shm
+        for step in range(steps):
+            train_step(model)
+            refitter.refit(model.state_dict())     # no trainer-side copy: only checksums
+
+``share_parameters`` moves every parameter and buffer of a CPU module into shared-memory segments
+(``param.data`` then views a segment), once; the optimizer and the training step use them as
+before. ``Refitter.refit`` finds which tensors live in such segments and sends those in place.
+While a refit runs, the trainer must not write to those tensors (no optimizer step, no
+``load_state_dict``): a write that lands before a worker has read a chunk is refused by its
+checksum (the update aborts); one that lands after would not be seen. Refit, then step.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from gen_interface.weights.checksum import combine_checksums
+from gen_interface.weights.chunked import chunk_checksums
+from gen_interface.weights.handles import HANDLES_FORMAT, TensorSlot, WeightBucket, WeightHandles
+from gen_interface.weights.layout import (
+    Allocation,
+    NamedTensors,
+    Place,
+    group_bytes,
+    host_name,
+    pack,
+    plan_buckets,
+    slot_view,
+)
+from gen_interface.weights.shm import unlink_segment
+
+__all__ = ["SharedParameters", "in_place_handles", "share_parameters", "split_in_place"]
+
+#: Bytes per segment of ``share_parameters``: one load each, so large (vLLM's per-load cost is
+#: fixed) but a few per model, so a worker reads one while the trainer hashes the next.
+DEFAULT_SEGMENT_BYTES = 256 * 2**20
+
+# Live segments of every SharedParameters in this process: path -> uint8 tensor mapping it.
+_SEGMENTS: dict[str, torch.Tensor] = {}
+_SEGMENTS_LOCK = threading.Lock()
+
+
+class SharedParameters:
+    """The shared-memory segments a module's parameters and buffers live in.
+
+    Close it (or leave the ``with`` block) once no refit needs them in place any more: the
+    segments' names go, and so does their memory when the module lets go of its tensors (they
+    stay valid until then; later refits copy them like any other tensor).
+    """
+
+    def __init__(self, allocations: list[Allocation]):
+        self.paths = [a.path for a in allocations]
+        with _SEGMENTS_LOCK:
+            _SEGMENTS.update((a.path, a.data) for a in allocations)
+        self._finalizer = weakref.finalize(self, _forget, list(self.paths))
+
+    @property
+    def nbytes(self) -> int:
+        with _SEGMENTS_LOCK:
+            return sum(int(_SEGMENTS[p].numel()) for p in self.paths if p in _SEGMENTS)
+
+    def close(self) -> None:
+        """Unlink the segments. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> SharedParameters:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def share_parameters(
+    module: torch.nn.Module, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES
+) -> SharedParameters:
+    """Move every parameter and buffer of ``module`` into shared memory, in place.
+
+    Values, dtypes, shapes, ``requires_grad`` and parameter identity are kept (optimizers built
+    before keep working); tied parameters stay tied. Only the tensors' storage moves.
+
+    Args:
+        module: a model on the CPU.
+        segment_bytes: bytes per segment; a tensor larger than that gets a segment of its own.
+
+    Raises:
+        ValueError: a parameter or buffer is not on the CPU.
+    """
+    tensors: NamedTensors = []
+    seen: set[int] = set()
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"share_parameters keeps host weights in shared memory; {name!r} is on "
+                f"{tensor.device} (GPU weights are shared through CUDA IPC buckets)"
+            )
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append((name, tensor))
+    allocations: list[Allocation] = []
+    try:
+        for group in plan_buckets(tensors, segment_bytes):
+            allocation = Place(None).allocate(group_bytes(group))
+            allocations.append(allocation)
+            slots, _ = pack(allocation.data, group)
+            with torch.no_grad():
+                for (_, tensor), slot in zip(group, slots, strict=True):
+                    tensor.data = slot_view(allocation.data, slot)
+    except BaseException:
+        for allocation in allocations:
+            unlink_segment(allocation.path)
+        raise
+    return SharedParameters(allocations)
+
+
+def split_in_place(
+    tensors: NamedTensors,
+) -> tuple[list[tuple[str, torch.Tensor, NamedTensors]], NamedTensors]:
+    """Tensors that can be sent in place, grouped by the segment they live in (in order of
+    first appearance), and the rest (to be copied)."""
+    with _SEGMENTS_LOCK:
+        segments = dict(_SEGMENTS)
+    ranges = sorted(
+        (data.data_ptr(), data.data_ptr() + data.numel(), path, data)
+        for path, data in segments.items()
+    )
+    groups: dict[str, tuple[torch.Tensor, NamedTensors]] = {}
+    rest: NamedTensors = []
+    for name, tensor in tensors:
+        found = _segment_of(tensor, ranges)
+        if found is None:
+            rest.append((name, tensor))
+        else:
+            groups.setdefault(found[0], (found[1], []))[1].append((name, tensor))
+    return [(path, data, group) for path, (data, group) in groups.items()], rest
+
+
+def in_place_handles(path: str, segment: torch.Tensor, group: NamedTensors) -> WeightHandles:
+    """Handles to ``group``'s tensors where they are, in segment ``path`` (mapped as
+    ``segment``), each with its chunk checksums (one read of their bytes, no copy)."""
+    base = segment.data_ptr()
+    slots = []
+    for name, tensor in group:
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        chunks = chunk_checksums(flat)
+        slots.append(
+            TensorSlot(
+                name=name,
+                dtype=str(tensor.dtype).removeprefix("torch."),
+                shape=list(tensor.shape),
+                offset=tensor.data_ptr() - base,
+                nbytes=int(flat.numel()),
+                checksum=combine_checksums(chunks),
+                chunks=chunks,
+            )
+        )
+    bucket = WeightBucket(
+        transport="shm",
+        location=path,
+        ipc_args=b"",
+        device_uuid="",
+        nbytes=int(segment.numel()),
+        checksum=combine_checksums(s["checksum"] for s in slots),
+        tensors=slots,
+    )
+    return WeightHandles(
+        format=HANDLES_FORMAT, host=host_name(), buckets=[bucket], release_after_read=False
+    )
+
+
+def _segment_of(
+    tensor: torch.Tensor, ranges: list[tuple[int, int, str, torch.Tensor]]
+) -> tuple[str, torch.Tensor] | None:
+    """The segment holding all of ``tensor``'s bytes, if it is contiguous and on the CPU."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not ranges:
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    for low, high, path, data in ranges:
+        if low <= start and end <= high and (start - low) % tensor.element_size() == 0:
+            return path, data
+    return None
+
+
+def _forget(paths: list[str]) -> None:
+    with _SEGMENTS_LOCK:
+        for path in paths:
+            _SEGMENTS.pop(path, None)
+    for path in paths:
+        unlink_segment(path)
