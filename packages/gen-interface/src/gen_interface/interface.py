@@ -51,6 +51,10 @@ class BackendCapabilities:
             ``cut_short``. False: an update waits for running calls to end.
         token_streaming: ``generate_stream`` yields each token as it is chosen (True), or each
             row's tokens at once when it finishes (False).
+        refit_bucket_bytes: the bucket size a streamed refit (``Refitter``) into this backend
+            is fastest with, as measured by ``tools/bench/refit.py``.
+        refit_buffers: buckets per place for such a refit: 2 fills one while the backend loads
+            the other; 1 when loading needs every core (the fill would only slow it down).
         notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """
 
@@ -62,6 +66,8 @@ class BackendCapabilities:
     stop_strings: bool = False
     in_flight_updates: bool = False
     token_streaming: bool = False
+    refit_bucket_bytes: int = 64 * 2**20
+    refit_buffers: int = 2
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 

@@ -184,6 +184,11 @@ class VllmGeneration(GenerationBackend):
             score=True,
             stop_strings=self.has_tokenizer,
             token_streaming=True,
+            # On CPU a load (vLLM repacking the layers) needs every core and pays a fixed cost
+            # per call: one large bucket at a time, filled while nothing loads. On a GPU the
+            # fill is a device copy that overlaps the load.
+            refit_bucket_bytes=(64 if on_gpu else 128) * 2**20,
+            refit_buffers=2 if on_gpu else 1,
             notes=tuple(notes),
         )
 
