@@ -55,13 +55,18 @@ class UpdatableVllmInternalWorker:
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
 
-    def weight_update_report(self) -> UpdateReport:
+    def weight_update_report(self, compared: bool = True) -> UpdateReport:
         """After ``finish_weight_update``: this rank's account of the update.
 
         ``received_checksum`` combines the checksums of the buckets this rank read (each
         verified against its bytes on arrival), the same on every rank that read the same kind
         of copy; ``model_checksum`` covers this rank's parameters as loaded (its own shard under
         tensor parallelism), so rank r of every replica must agree.
+
+        Args:
+            compared: other replicas' reports will be compared with this one. Without (a
+                single replica) the model and packed-layer checksums, a pass over every weight
+                that nothing would compare, are not computed (None).
         """
         received = getattr(self.weight_transfer_engine, "received", [])
         model = self.model_runner.get_model()
@@ -69,8 +74,8 @@ class UpdatableVllmInternalWorker:
             rank=int(self.rank),
             device_id=self.report_device_id(),
             received_checksum=combine_checksums(received),
-            model_checksum=self.model_checksum(),
-            packed_checksum=packed_layers_checksum(model),
+            model_checksum=self.model_checksum() if compared else None,
+            packed_checksum=packed_layers_checksum(model) if compared else None,
             kernel=kernel_description() if self.device.type == "cpu" else "",
         )
 

@@ -102,8 +102,10 @@ class UpdateReport(TypedDict):
     rank: int
     device_id: str
     received_checksum: int  # of the buckets read (the same on every rank reading one kind of copy)
-    model_checksum: int  # of this rank's parameters after loading (its own shard)
+    # of this rank's parameters after loading (its own shard); None when no other replica
+    # compares it (one replica)
+    model_checksum: int | None
     # of what this rank's packed layers compute on a fixed input (CPU: weights that no parameter
-    # holds after packing); None when no layer is packed (GPU)
+    # holds after packing); None when no layer is packed (GPU) or with one replica
     packed_checksum: int | None
     kernel: str  # what the packed results depend on: CPU model and thread count ("" on GPU)

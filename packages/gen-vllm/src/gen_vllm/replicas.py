@@ -177,8 +177,9 @@ class ReplicaSet:
 
     def finish_weight_update(self) -> list[list[UpdateReport] | GenerationError]:
         """Close the transaction on every replica (engines stay paused); each one's rank
-        reports, or its error."""
-        refs = [a.finish_weight_update.remote() for a in self.actors]
+        reports, or its error. A single replica skips the checksums only replicas compare."""
+        compared = len(self.actors) > 1
+        refs = [a.finish_weight_update.remote(compared) for a in self.actors]
         return self._outcomes(refs, self.timeouts.update_s, "the end of a weight update")
 
     def end_weight_update(self, version: int | None, *, cut: bool) -> list[GenerationError | None]:

@@ -178,15 +178,17 @@ class VllmGenerationWorker:
         """One load (shared buckets or a broadcast bucket) into every rank of this engine."""
         await self._loop.call(lambda: self._loop.engine.collective_rpc("update_weights", (info,)))
 
-    async def finish_weight_update(self) -> list[UpdateReport]:
+    async def finish_weight_update(self, compared: bool = True) -> list[UpdateReport]:
         """Close vLLM's transaction and return each rank's report. The engine stays paused
-        until ``end_weight_update``: the driver checks the reports of every replica first."""
+        until ``end_weight_update``: the driver checks the reports of every replica first.
+        ``compared``: other replicas' reports are compared with these (see
+        ``weight_update_report``)."""
 
         def finish() -> list[UpdateReport]:
             engine = self._loop.engine
             self._updating = False
             engine.collective_rpc("finish_weight_update")
-            return engine.collective_rpc("weight_update_report")
+            return engine.collective_rpc("weight_update_report", (compared,))
 
         return await self._loop.call(finish)
 
