@@ -223,6 +223,59 @@ def test_an_actor_name_clash_is_a_typed_error_and_leaks_no_actor(
     assert greedy(colocated).size == len(PROMPTS)  # the backend that holds the names goes on
 
 
+@pytest.mark.parametrize("path", ["streamed", "one-shot"])
+def test_a_worker_killed_mid_read_leaves_no_segment(own, tiny_qwen2, new_weights, path):
+    """The worker dies while it holds a load's handles (its engine reading them): the update
+    fails, and no segment of the trainer's or the worker's is left once the trainer lets go of
+    its refitter (streamed: the ring is reused until then); one-shot handles, which the
+    consumer releases after reading, are released by the backend although the worker died."""
+    import gc
+    import os
+    import signal
+    import threading
+
+    from fake_backends import read_events
+    from gen_interface.weights import Refitter
+    from gen_interface.weights.shm import owner_of, segment_dir
+
+    def segments_of(*pids: int) -> set[str]:
+        owners = {p.name: owner_of(p) for p in segment_dir().iterdir()}
+        return {name for name, owner in owners.items() if owner and owner[1] in pids}
+
+    earlier = segments_of(os.getpid())
+    hang = {"hang_in": frozenset({"update"})}
+    backend = own.backend(own.cluster([1]), tiny_qwen2, faults=hang, update_timeout_s=120.0)
+    worker = backend.replicas.infos[0]["pid"]
+    refitter = Refitter(backend, bucket_bytes=200_000)
+    shared = share_weights(new_weights)  # never closed either
+    errors: list[BaseException] = []
+
+    def update() -> None:
+        try:
+            if path == "streamed":
+                refitter.refit(new_weights)
+            else:
+                backend.update_weights_from_ipc_handles(shared.handles)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not any(e["event"] == "hang" and e["pid"] == worker for e in read_events(own.log_dir)):
+        assert time.monotonic() < deadline, "the worker never took the load"
+        time.sleep(0.05)
+    os.kill(worker, signal.SIGKILL)
+    thread.join(120)
+    assert len(errors) == 1 and isinstance(errors[0], WeightUpdateError), errors
+    held = segments_of(os.getpid()) - earlier
+    assert bool(held) == (path == "streamed"), held
+    errors.clear()  # the traceback holds the refitter too
+    refitter = shared = None  # a trainer that never closes: they go when collected
+    gc.collect()
+    assert segments_of(os.getpid(), worker) - earlier == set()
+
+
 def test_a_worker_killed_mid_transaction_breaks_the_backend(own, tiny_qwen2, new_weights):
     """One replica dies between two loads of a refit: the update fails, no replica is left
     serving half-updated weights, and the backend says it is broken."""
