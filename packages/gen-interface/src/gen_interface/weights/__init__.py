@@ -47,7 +47,7 @@ from gen_interface.weights.handles import (
     handles_from_json,
     handles_to_json,
 )
-from gen_interface.weights.in_place import SharedParameters, share_parameters
+from gen_interface.weights.in_place import SharedParameters, share_parameters, share_tensors
 from gen_interface.weights.producer import DEFAULT_BUCKET_BYTES, SharedWeights, share_weights
 from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, Refitter, refit
 from gen_interface.weights.transaction import WeightTransaction
@@ -87,6 +87,7 @@ __all__ = [
     "refit",
     "release_shared_weights",
     "share_parameters",
+    "share_tensors",
     "share_weights",
     "state_dict_specs",
     "weights_checksum",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -36,7 +37,13 @@ from gen_interface.weights.layout import (
 )
 from gen_interface.weights.shm import unlink_segment
 
-__all__ = ["SharedParameters", "in_place_handles", "share_parameters", "split_in_place"]
+__all__ = [
+    "SharedParameters",
+    "in_place_handles",
+    "share_parameters",
+    "share_tensors",
+    "split_in_place",
+]
 
 #: Bytes per segment of ``share_parameters``: one load each, so large (vLLM's per-load cost is
 #: fixed) but a few per model, so a worker reads one while the trainer hashes the next.
@@ -95,28 +102,57 @@ def share_parameters(
     tensors: NamedTensors = []
     seen: set[int] = set()
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.device.type != "cpu":
-            raise ValueError(
-                f"share_parameters keeps host weights in shared memory; {name!r} is on "
-                f"{tensor.device} (GPU weights are shared through CUDA IPC buckets)"
-            )
         if id(tensor) not in seen:
             seen.add(id(tensor))
             tensors.append((name, tensor))
+    shared, views = _copy_into_segments(tensors, segment_bytes)
+    with torch.no_grad():
+        for (_, tensor), view in zip(tensors, views, strict=True):
+            tensor.data = view
+    return shared
+
+
+def share_tensors(
+    state_dict: Mapping[str, torch.Tensor], *, segment_bytes: int = DEFAULT_SEGMENT_BYTES
+) -> tuple[dict[str, torch.Tensor], SharedParameters]:
+    """Copies of host tensors that live in shared memory: for a trainer that keeps its own copy
+    of the weights to refit from (e.g. float32 master weights offloaded to the host) and
+    updates it in place (``copy_``) after each step.
+
+    Returns:
+        ``({name: copy}, the segments)``; refits of the copies send them in place.
+
+    Raises:
+        ValueError: a tensor is not on the CPU.
+    """
+    tensors = list(state_dict.items())
+    shared, views = _copy_into_segments(tensors, segment_bytes)
+    return {name: view for (name, _), view in zip(tensors, views, strict=True)}, shared
+
+
+def _copy_into_segments(
+    tensors: NamedTensors, segment_bytes: int
+) -> tuple[SharedParameters, list[torch.Tensor]]:
+    """New segments holding copies of ``tensors``, and a view of each copy, in order."""
+    for name, tensor in tensors:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"only host weights can live in shared memory; {name!r} is on {tensor.device} "
+                "(GPU weights are shared through CUDA IPC buckets)"
+            )
     allocations: list[Allocation] = []
+    views: list[torch.Tensor] = []
     try:
         for group in plan_buckets(tensors, segment_bytes):
             allocation = Place(None).allocate(group_bytes(group))
             allocations.append(allocation)
             slots, _ = pack(allocation.data, group)
-            with torch.no_grad():
-                for (_, tensor), slot in zip(group, slots, strict=True):
-                    tensor.data = slot_view(allocation.data, slot)
+            views.extend(slot_view(allocation.data, slot) for slot in slots)
     except BaseException:
         for allocation in allocations:
             unlink_segment(allocation.path)
         raise
-    return SharedParameters(allocations)
+    return SharedParameters(allocations), views
 
 
 def split_in_place(

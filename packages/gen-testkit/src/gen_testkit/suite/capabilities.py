@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationError, WeightUpdateError
-from gen_interface.weights import Refitter, refit, share_parameters, share_weights
+from gen_interface.weights import Refitter, refit, share_tensors, share_weights
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -158,9 +158,8 @@ class CapabilityProperties(SuiteBase):
         refit(backend, new)
         copied = backend.generate(batch, greedy=True)
         refit(backend, original)
-        holder = _TensorHolder(new)
-        with share_parameters(holder), Refitter(backend) as refitter:
-            in_shm = holder.named()
+        in_shm, shared = share_tensors(new)
+        with shared, Refitter(backend) as refitter:
             assert all(t.data_ptr() != new[k].data_ptr() for k, t in in_shm.items())
             refitter.refit(in_shm)
             assert refitter.allocated_bytes() == 0, "tensors in shared memory were copied"
@@ -242,16 +241,3 @@ def _score_input(drawn: DrawnBatch, output: Mapping[str, Any]) -> BatchedDataDic
         prompt_lengths=torch.tensor([len(p) for p in drawn.prompts], dtype=torch.int64),
         unpadded_sequence_lengths=output["unpadded_sequence_lengths"],
     )
-
-
-class _TensorHolder(torch.nn.Module):
-    """A module holding named tensors as buffers (checkpoint names may hold dots)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        super().__init__()
-        self.names = list(tensors)
-        for index, tensor in enumerate(tensors.values()):
-            self.register_buffer(f"t{index}", tensor.clone())
-
-    def named(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, f"t{i}") for i, name in enumerate(self.names)}
