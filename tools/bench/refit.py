@@ -7,9 +7,12 @@ the ceiling); bare vLLM's own in-process ``reload_weights(weights_iterator=...)`
 tensors (``bare``: no transport, no checks, vLLM's weight processing included: the floor any
 vLLM refit pays); then every refit path into gen-hf and into gen-vllm with one and with two
 replicas, each repeated and interleaved with the copy so that load from elsewhere falls on all
-alike. Paths: ``refit`` (streamed through two reusable shared-memory buckets), ``one-shot``
-(``share_weights`` + one ``update_weights_from_ipc_handles``), and for vLLM ``collective``
-(``WeightBroadcaster`` over gloo). Every path is a complete, verified transaction.
+alike. Paths: ``refit`` (streamed through reusable shared-memory buckets, of the shape the
+backend states it loads fastest with unless ``--bucket-mib`` / ``--buffers`` say otherwise),
+``in place`` (the same refit of weights that already live in shared memory, ``share_tensors``:
+no trainer-side copy), ``one-shot`` (``share_weights`` + one ``update_weights_from_ipc_handles``),
+and for vLLM ``collective`` (``WeightBroadcaster`` over gloo). Every path is a complete, verified
+transaction.
 
 Reports, per path, the best time, GB/s (model bytes / seconds), the ratio to the copy's GB/s,
 the ratio of its time to bare vLLM's reload of the same model,
@@ -33,7 +36,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 import torch
 from gen_interface import configure_generation_config
-from gen_interface.weights import Refitter, WeightBroadcaster, share_weights
+from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors, share_weights
 from gen_testkit.models import build_tiny_model
 
 GB = 1e9  # GB/s in decimal gigabytes
@@ -47,8 +50,12 @@ def parse_args() -> argparse.Namespace:
         "--backends", default="bare,hf,vllm1,vllm2", help="bare (vLLM's reload), hf, vllm1, vllm2"
     )
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every path")
-    parser.add_argument("--bucket-mib", type=int, default=64, help="streaming bucket size")
-    parser.add_argument("--buffers", type=int, default=2, help="streaming buckets per place")
+    parser.add_argument(
+        "--bucket-mib", type=int, default=None, help="streaming bucket size (default: backend's)"
+    )
+    parser.add_argument(
+        "--buffers", type=int, default=None, help="streaming buckets per place (default: backend's)"
+    )
     return parser.parse_args()
 
 
@@ -157,19 +164,22 @@ def worker_pid(kind: str, backend: Any) -> int:
 
 
 def paths_for(
-    kind: str, backend: Any, bucket: int, buffers: int
+    kind: str, backend: Any, args: argparse.Namespace, in_shm: dict[str, torch.Tensor]
 ) -> dict[str, Callable[[dict], Any]]:
     if kind == "bare":
         return {"reload_weights": backend.reload}
+    bucket = None if args.bucket_mib is None else args.bucket_mib * MIB
     # keeps its buckets, as a training loop would
-    refitter = Refitter(backend, bucket_bytes=bucket, buffers=buffers)
+    refitter = Refitter(backend, bucket_bytes=bucket, buffers=args.buffers)
+    in_place = Refitter(backend)
 
     def one_shot(weights: dict) -> None:
         with share_weights(weights) as shared:
             backend.update_weights_from_ipc_handles(shared.handles)
 
     paths: dict[str, Callable[[dict], Any]] = {
-        "refit (streamed shm)": refitter.refit,
+        f"refit {refitter.buffers} x {refitter.bucket_bytes // MIB} MiB": refitter.refit,
+        "refit in place": lambda _: in_place.refit(in_shm),
         "one-shot shm": one_shot,
     }
     if kind != "hf":
@@ -189,8 +199,9 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
 
     copy()
     backend = build_backend(kind, str(build_tiny_model(preset).path))
+    in_shm, shared = share_tensors(weights)  # the trainer's weights, kept in shared memory
     try:
-        paths = paths_for(kind, backend, args.bucket_mib * MIB, args.buffers)
+        paths = paths_for(kind, backend, args, in_shm)
         best = dict.fromkeys(paths, float("inf"))
         best_copy = float("inf")
         memory: dict[str, tuple[int, int]] = {}
@@ -209,6 +220,7 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
                 )
     finally:
         backend.shutdown()
+        shared.close()
     copy_gbs = nbytes / best_copy / GB
     label = {"bare": "bare vLLM", "hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[
         kind
@@ -230,7 +242,7 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
             }
         )
         print(
-            f"  {label:12s} {name:22s} {seconds:7.3f} s {gbs:6.2f} GB/s  x{gbs / copy_gbs:.2f} "
+            f"  {label:12s} {name:24s} {seconds:7.3f} s {gbs:6.2f} GB/s  x{gbs / copy_gbs:.2f} "
             f"of copy ({copy_gbs:.2f} GB/s)  trainer +{memory[name][0] / MIB:.0f} MiB  worker "
             f"+{memory[name][1] / MIB:.0f} MiB",
             flush=True,
@@ -247,7 +259,7 @@ def main() -> list[dict[str, Any]]:
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         print(
             f"{preset}: {model.spec.parameter_count() / 1e6:.0f}M parameters, "
-            f"{nbytes / GB:.2f} GB float32, {args.buffers} x {args.bucket_mib} MiB buckets",
+            f"{nbytes / GB:.2f} GB float32",
             flush=True,
         )
         for kind in args.backends.split(","):
