@@ -65,6 +65,42 @@ def test_from_batches_pads_each_key_with_its_own_value():
         BatchedDataDict.from_batches([a, BatchedDataDict(ids=torch.ones(1, 2))])
 
 
+@given(sizes=st.lists(st.integers(0, 4), min_size=1, max_size=5), drop=st.data())
+def test_from_batches_keeps_keys_missing_only_from_empty_batches(sizes, drop):
+    batches = []
+    for size in sizes:
+        batch = _batch(size)
+        if size == 0:  # an empty batch: no rows, and maybe not every key (or none)
+            kept = drop.draw(st.sets(st.sampled_from(sorted(batch))))
+            batch = BatchedDataDict({k: v for k, v in batch.items() if k in kept})
+        batches.append(batch)
+    out = BatchedDataDict.from_batches(batches)
+    assert out.size == sum(sizes)
+    filled = [b for b in batches if b.size]
+    if filled:  # the reference: the batches with rows, concatenated
+        assert set(out) == set(_batch(1))
+        assert out["tags"] == [t for b in filled for t in b["tags"]]
+        assert torch.equal(out["ids"], torch.cat([b["ids"] for b in filled]))
+
+
+def test_a_key_missing_from_a_batch_with_rows_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"batch 1 has 2 rows but no \['tags'\]"):
+        BatchedDataDict.from_batches(
+            [_batch(1), BatchedDataDict({k: v for k, v in _batch(2).items() if k != "tags"})]
+        )
+
+
+def test_sizes_that_do_not_divide_are_named():
+    with pytest.raises(
+        ValueError, match=r"Total batch size \(6\) is not a multiple of batch_size \(4\)"
+    ):
+        _batch(6).shard_by_batch_size(2, batch_size=4)
+    with pytest.raises(ValueError, match=r"Batch size \(3\) is not a multiple of shards \(2\)"):
+        _batch(6).shard_by_batch_size(2, batch_size=3)
+    with pytest.raises(ValueError, match=r"not the same across the batch's keys.*'b': 3"):
+        BatchedDataDict(a=torch.zeros(2), b=[1, 2, 3]).shard_by_batch_size(1)
+
+
 def test_slice_select_repeat_and_to():
     batch = _batch(4)
     assert batch.slice(1, 3)["tags"] == ["row1", "row2"]

@@ -36,7 +36,10 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
         sizes = {key: _batch_len(key, value) for key, value in self.items()}
         distinct = set(sizes.values())
         if len(distinct) > 1:
-            raise ValueError(f"BatchedDataDict values disagree on the batch size: {sizes}")
+            raise ValueError(
+                "Batch sizes are not the same across the batch's keys (its values disagree on "
+                f"the batch size), found sizes: {sizes}"
+            )
         return distinct.pop() if distinct else 0
 
     def slice(self, start: int, end: int) -> BatchedDataDict[DictT]:
@@ -94,12 +97,16 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
             raise ValueError(f"shards must be >= 1, got {shards}")
         total = self.size
         chunk = total if batch_size is None else batch_size
-        if batch_size is not None and (batch_size < 1 or total % batch_size):
-            raise ValueError(f"batch size {total} is not a multiple of batch_size={batch_size}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size is not None and total % batch_size:
+            raise ValueError(
+                f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})"
+            )
         if chunk % shards and not allow_uneven_shards:
             raise ValueError(
-                f"{chunk} rows do not split evenly into {shards} shards; "
-                "pass allow_uneven_shards=True to allow shards of different sizes"
+                f"Batch size ({chunk}) is not a multiple of shards ({shards}): pass "
+                "allow_uneven_shards=True to allow shards of different sizes"
             )
         bounds = _even_bounds(chunk, shards)
         starts = range(0, total, chunk) if chunk else [0]
@@ -269,25 +276,33 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
         """Concatenate batches along the batch dimension, in the order given.
 
         Tensors whose trailing dimensions differ are right-padded to the largest size in each
-        dimension with ``pad_value_dict[key]`` (0 when the key is not named). Every batch must
-        hold the same keys.
+        dimension with ``pad_value_dict[key]`` (0 when the key is not named). Every batch with
+        rows must hold the same keys; an empty batch (no rows, or no keys at all) may lack keys
+        the others have, as NeMo RL's rollouts produce when a worker got no rows.
 
         Raises:
-            ValueError: the batches do not hold the same keys.
+            ValueError: a batch with rows lacks a key another batch has, or has one more.
         """
-        batches = list(batches)
-        if not batches:
+        given: list[BatchedDataDict[Any]] = [
+            b if isinstance(b, BatchedDataDict) else BatchedDataDict(b) for b in batches
+        ]
+        if not given:
             return cls()
-        keys = list(batches[0].keys())
-        for i, batch in enumerate(batches):
-            if set(batch.keys()) != set(keys):
+        filled = [b for b in given if b.size > 0]
+        keys = list(dict.fromkeys(k for b in (filled or given) for k in b))
+        for i, batch in enumerate(given):
+            if batch.size == 0:
+                continue
+            missing = [k for k in keys if k not in batch]
+            if missing:
                 raise ValueError(
-                    f"batch {i} has keys {sorted(batch.keys())}, batch 0 has {sorted(keys)}"
+                    f"batch {i} has {batch.size} rows but no {missing} (other batches have "
+                    f"{'it' if len(missing) == 1 else 'them'}); only an empty batch may lack keys"
                 )
         pads = pad_value_dict or {}
         out: dict[str, Any] = {}
-        for key in keys:
-            values = [batch[key] for batch in batches]
+        for key in keys:  # empty values add no rows; with rows elsewhere, they are left out
+            values = [batch[key] for batch in (filled or given) if key in batch]
             if isinstance(values[0], torch.Tensor):
                 out[key] = _cat_padded(values, pads.get(key, 0))
             else:
