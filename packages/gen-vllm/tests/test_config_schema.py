@@ -317,3 +317,49 @@ def test_nemo_rl_s_own_grpo_config_is_accepted_and_means_the_same():
     assert args["gpu_memory_utilization"] == 0.6 and args["enforce_eager"] is False
     assert args["enable_sleep_mode"]  # colocated on GPUs
     assert config["stop_token_ids"] == [2] and config["val_temperature"] == 1.0
+
+
+def _nemo_rl_basic_vllm_test_config(enforce_eager: Any) -> dict[str, Any]:
+    """NeMo RL's ``basic_vllm_test_config`` (tests/unit/models/generation/test_vllm_generation.py),
+    as its tests write it, on a model of this machine."""
+    return {
+        "backend": "vllm",
+        "model_name": "/models/qwen",
+        "tokenizer": {"name": "/models/qwen"},
+        "dtype": "bfloat16",
+        "max_new_tokens": 5,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "val_temperature": 1.0,
+        "val_top_p": 1.0,
+        "val_top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "vllm_cfg": {
+            "precision": "bfloat16",
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "expert_parallel_size": 1,
+            "gpu_memory_utilization": 0.7,
+            "max_model_len": 1024,
+            "async_engine": False,
+            "skip_tokenizer_init": False,
+            "load_format": "auto",
+            "enforce_eager": enforce_eager,
+            "kv_cache_dtype": "auto",
+        },
+        "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
+        "vllm_kwargs": {},
+    }
+
+
+def test_nemo_rl_s_basic_vllm_test_config_is_accepted_but_a_string_for_a_bool():
+    tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 2})()
+    with pytest.raises(GenerationConfigError, match="enforce_eager"):
+        configure_generation_config(_nemo_rl_basic_vllm_test_config("False"), tokenizer)
+    config = configure_generation_config(_nemo_rl_basic_vllm_test_config(False), tokenizer)
+    args = engine_args_for(complete_vllm_config(config), use_gpus=True)
+    assert args["dtype"] == "bfloat16" and args["enforce_eager"] is False
+    assert args["load_format"] == "auto" and not args["skip_tokenizer_init"]
+    assert config["tokenizer"] == {"name": "/models/qwen"}  # the training loop's, kept as given

@@ -42,6 +42,10 @@ NEMO_RL_GENERATION_KEYS: dict[str, ForeignKey] = {
         key: ForeignKey("read by the training loop (validation sampling), not by the generator")
         for key in TRAINING_LOOP_KEYS
     },
+    "tokenizer": ForeignKey(
+        "the tokenizer NeMo RL's training loop builds (its name, chat template); the loop passes "
+        "it to configure_generation_config, and backends that need one load the model's own"
+    ),
     "_pad_token_id": ForeignKey(
         "NeMo RL's configure_generation_config writes it; here the pad token is `pad_token_id`, "
         "filled from the tokenizer the same way"
