@@ -12,6 +12,7 @@ step                      what it does
 ``_stream_rows``          yield rows as they finish (default: ``_run_rows`` on a thread, rows
                           handed over as it reports them)
 ``_score_rows``           teacher-forced logprobs (default: ``score`` is not supported)
+``_text_codec``           the tokenizer of ``generate_text`` (default: none, it is refused)
 ``_wake`` / ``_release``  the life cycle's resources (defaults: nothing sleeps)
 ``_close``                free everything (default: nothing)
 ``_load_handles``         write one load of shared weights (weight updates need it)
@@ -28,9 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Self, cast
 
 import torch
@@ -39,16 +38,20 @@ from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.config import validate_generation_config, with_per_call_overrides
 from gen_interface.errors import (
     GenerationConfigError,
-    GenerationError,
     GenerationInputError,
     WeightUpdateError,
 )
 from gen_interface.events import RowEvent
-from gen_interface.inputs import PromptBatch, normalize_generation_input
+from gen_interface.inputs import normalize_generation_input
 from gen_interface.interface import GenerationInterface, InFlight
 from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
-from gen_interface.outputs import RowResult, build_generation_output, build_row_output
-from gen_interface.row_sampling import BatchSampling, resolve_sampling
+from gen_interface.outputs import (
+    RowResult,
+    build_generation_output,
+    build_row_output,
+    check_every_row,
+)
+from gen_interface.row_sampling import GenerationCall, resolve_sampling
 from gen_interface.scoring import ScoreBatch, ScoredRow, normalize_score_input, scatter_scores
 from gen_interface.specs import (
     GenerationConfig,
@@ -58,6 +61,7 @@ from gen_interface.specs import (
     ScoreSpec,
 )
 from gen_interface.stepping import RowControl
+from gen_interface.text import TextCodec, generate_text
 from gen_interface.threaded_rows import rows_from_thread
 from gen_interface.weights.consumer import (
     TensorSpecs,
@@ -70,26 +74,7 @@ from gen_interface.weights.handles import describe_slots
 from gen_interface.weights.shm import sweep_orphans
 from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["GenerationBackend", "GenerationCall"]
-
-
-@dataclass(frozen=True)
-class GenerationCall:
-    """One validated generate call: the prompts and how every row is sampled.
-
-    Attributes:
-        prompts: the canonical batch (``normalize_generation_input``).
-        sampling: one ``RowSampling`` per row, in input order.
-    """
-
-    prompts: PromptBatch
-    sampling: BatchSampling
-
-    @property
-    def size(self) -> int:
-        return self.prompts.size
 
 
 class GenerationBackend(GenerationInterface):
@@ -127,9 +112,7 @@ class GenerationBackend(GenerationInterface):
         weights_absent: str | None = None,
         max_top_logprobs: int | None = None,
     ):
-        removed = sweep_orphans()  # shared weights of trainers that died without closing them
-        if removed:
-            logger.info("removed %d shared-memory segments of processes gone", len(removed))
+        sweep_orphans()  # shared weights of trainers that died without closing them
         self.config = config
         self.max_top_logprobs = max_top_logprobs
         self.vocab_size = vocab_size
@@ -203,7 +186,7 @@ class GenerationBackend(GenerationInterface):
             self._weights.admit(self.config.get("max_weight_staleness"))
         with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
             rows = self._run_rows(call, RowControl())
-        _check_every_row({i for i, row in enumerate(rows) if row is not None}, call.size)
+        check_every_row({i for i, row in enumerate(rows) if row is not None}, call.size)
         return build_generation_output(
             call.prompts,
             cast(list[RowResult], list(rows)),
@@ -225,7 +208,7 @@ class GenerationBackend(GenerationInterface):
             async for index, row in self._stream_rows(call):
                 seen.add(index)
                 yield index, build_row_output(call.prompts, index, row, pad, top_k)
-        _check_every_row(seen, call.size)
+        check_every_row(seen, call.size)
 
     async def generate_stream(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -259,7 +242,7 @@ class GenerationBackend(GenerationInterface):
                 else:
                     sent[index] += len(step.token_ids)
                     yield step
-        _check_every_row(done, call.size)
+        check_every_row(done, call.size)
 
     def score(self, data: BatchedDataDict[ScoreSpec]) -> torch.Tensor:
         if not self._implements("_score_rows"):
@@ -407,6 +390,9 @@ class GenerationBackend(GenerationInterface):
         self._lifecycle.check_open(WeightUpdateError)
         return self._weights
 
+    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        return generate_text(self, self._text_codec(), data, greedy)
+
     # ---- the backend's steps -------------------------------------------------------------
 
     def _run_rows(self, call: GenerationCall, control: RowControl) -> Sequence[RowResult | None]:
@@ -450,6 +436,10 @@ class GenerationBackend(GenerationInterface):
         tokens at each response position (``scoring.scored_row`` builds one from logits)."""
         raise NotImplementedError(f"{type(self).__name__} does not support score")
 
+    def _text_codec(self) -> TextCodec | None:
+        """The tokenizer ``generate_text`` goes through (None: it is refused)."""
+        return None
+
     def _wake(self, resources: tuple[Resource, ...]) -> None:
         """Bring back the given resources (asleep now), in the order given."""
 
@@ -492,14 +482,4 @@ class GenerationBackend(GenerationInterface):
         return (
             f"{what} need a tokenizer and this {type(self).__name__} has none (model "
             f"{self.config.get('model_name')!r}); use stop_token_ids"
-        )
-
-
-def _check_every_row(present: Collection[int], count: int) -> None:
-    """Raise ``GenerationError`` naming the rows of ``range(count)`` not in ``present``."""
-    missing = [i for i in range(count) if i not in present]
-    if missing:
-        raise GenerationError(
-            f"the backend returned no result for {len(missing)} of {count} rows (rows "
-            f"{missing[:8]}{'...' if len(missing) > 8 else ''}); nothing of this call is returned"
         )

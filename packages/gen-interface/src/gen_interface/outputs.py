@@ -7,7 +7,7 @@ same shapes, dtypes and padding by construction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -18,7 +18,13 @@ from gen_interface.errors import GenerationError
 from gen_interface.inputs import PromptBatch
 from gen_interface.specs import GenerationOutputSpec
 
-__all__ = ["FinishReason", "RowResult", "build_generation_output", "build_row_output"]
+__all__ = [
+    "FinishReason",
+    "RowResult",
+    "build_generation_output",
+    "build_row_output",
+    "check_every_row",
+]
 
 #: Why a row ended: a stop token or string, the length limit (``max_new_tokens`` or the context
 #: limit), or cut short by a weight update (its tokens so far kept).
@@ -177,3 +183,13 @@ def build_row_output(
     """The one-row output of row ``index`` (what ``generate_async`` yields), ``L = p_i + g_i``;
     ``top_logprobs`` as for ``build_generation_output`` (the call's ``K``)."""
     return build_generation_output(prompts.select([index]), [row], pad_token_id, top_logprobs)
+
+
+def check_every_row(present: Collection[int], count: int) -> None:
+    """Raise ``GenerationError`` naming the rows of ``range(count)`` not in ``present``."""
+    missing = [i for i in range(count) if i not in present]
+    if missing:
+        raise GenerationError(
+            f"the backend returned no result for {len(missing)} of {count} rows (rows "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}); nothing of this call is returned"
+        )

@@ -21,7 +21,7 @@ from gen_interface.inputs import PromptBatch
 from gen_interface.sampling import MAX_SEED, is_greedy, row_seeds_for
 from gen_interface.specs import GenerationConfig, LogprobsMode
 
-__all__ = ["BatchSampling", "RowSampling", "resolve_sampling"]
+__all__ = ["BatchSampling", "GenerationCall", "RowSampling", "resolve_sampling"]
 
 
 @dataclass(frozen=True)
@@ -215,3 +215,20 @@ def _checked_row(i: int, row: dict[str, Any]) -> RowSampling:
         min_p=float(min_p),
         top_logprobs=row["top_logprobs"],
     )
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    """One validated generate call: the prompts and how every row is sampled.
+
+    Attributes:
+        prompts: the canonical batch (``normalize_generation_input``).
+        sampling: one ``RowSampling`` per row, in input order.
+    """
+
+    prompts: PromptBatch
+    sampling: BatchSampling
+
+    @property
+    def size(self) -> int:
+        return self.prompts.size

@@ -15,6 +15,7 @@ left alone, since their owners cannot be seen from here.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
 import uuid
@@ -34,6 +35,8 @@ __all__ = [
     "sweep_orphans",
     "unlink_segment",
 ]
+
+logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "gen_interface-"
 
@@ -172,6 +175,8 @@ def sweep_orphans(directory: Path | None = None) -> list[str]:
             continue
         if unlink_segment(str(entry)):
             removed.append(str(entry))
+    if removed:
+        logger.info("removed %d shared-memory segments of processes gone", len(removed))
     return removed
 
 
