@@ -29,13 +29,14 @@ from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
 from gen_interface.sampling import row_generators
 from gen_interface.scoring import ScoreBatch, ScoredRow
 from gen_interface.stepping import RowControl
+from gen_interface.text import HfTokenizerCodec, TextCodec
 
 from gen_hf.config import HfConfig, complete_hf_config
 from gen_hf.decode import DecodeCall, decode_batch
 from gen_hf.loading import (
     LoadedModel,
     load_model,
-    load_tokenizer_decode,
+    load_tokenizer,
     move_model,
     resolve_device,
 )
@@ -76,7 +77,8 @@ class HfGeneration(InProcessBackend):
         config = self.complete_config(config)
         hf_cfg = config["hf_cfg"]
         self._device = resolve_device(hf_cfg["device"])
-        self._decode = load_tokenizer_decode(config)
+        self._tokenizer = load_tokenizer(config)
+        self._decode = None if self._tokenizer is None else self._tokenizer.decode
         if config.get("stop_strings") and self._decode is None:
             raise GenerationConfigError(
                 f"stop_strings {config['stop_strings']!r} need a tokenizer and none loads "
@@ -218,6 +220,9 @@ class HfGeneration(InProcessBackend):
         )
 
     # ---- weights: InProcessBackend runs the update through the gate; this writes them -------
+
+    def _text_codec(self) -> TextCodec | None:
+        return None if self._tokenizer is None else HfTokenizerCodec(self._tokenizer)
 
     def _weight_targets(self) -> Mapping[str, torch.Tensor]:
         if self._targets is None:  # the model's tensors by name, while they do not move

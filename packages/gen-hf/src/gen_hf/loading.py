@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from gen_interface import BackendUnavailableError, GenerationConfigError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.initialization import no_init_weights
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer_decode", "move_model", "resolve_device"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "move_model", "resolve_device"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -135,8 +135,8 @@ def load_model(config: Mapping[str, Any], device: torch.device) -> LoadedModel:
     )
 
 
-def load_tokenizer_decode(config: Mapping[str, Any]) -> Callable[[list[int]], str] | None:
-    """The token-ids-to-text function stop strings need, or None when there is no tokenizer.
+def load_tokenizer(config: Mapping[str, Any]) -> Any | None:
+    """The model's tokenizer (stop strings and ``generate_text`` need it), or None.
 
     With ``hf_cfg.load_tokenizer`` ``"auto"``, a tokenizer that fails to load, or loads with no
     vocabulary beyond its special tokens, means None; with ``True`` it is an error; with
@@ -171,8 +171,4 @@ def load_tokenizer_decode(config: Mapping[str, Any]) -> Callable[[list[int]], st
             f"{config['model_name']!r}: {problem}. Set it to 'auto' or false to run "
             "without one (stop strings are then refused)."
         )
-
-    def decode(token_ids: list[int]) -> str:
-        return cast(str, tokenizer.decode(token_ids))
-
-    return decode
+    return tokenizer

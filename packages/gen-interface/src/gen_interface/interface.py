@@ -336,6 +336,18 @@ class GenerationInterface(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not support commit_weight_update")
 
+    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """NeMo RL's text path: ``{"prompts": [str, ...]}`` (optionally ``"stop_strings"``, a list
+        per row) in, ``{"texts": [str, ...]}`` out: each prompt tokenised by the backend's
+        tokenizer (special tokens added), generated as ``generate`` would, and its new tokens
+        decoded (special tokens skipped, a stop string kept). ``gen_interface.text``.
+
+        Raises:
+            GenerationError: the backend has no tokenizer.
+            GenerationInputError: no ``prompts``, or not a list of strings.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support generate_text")
+
     def invalidate_kv_cache(self) -> bool:
         """Drop cached keys and values of finished prompts (a prefix cache), so later rows
         recompute them; NeMo RL's name. Rows running keep theirs.

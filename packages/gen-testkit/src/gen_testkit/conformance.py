@@ -26,6 +26,7 @@ from gen_testkit.suite.determinism import DeterminismProperties
 from gen_testkit.suite.layout import LayoutProperties
 from gen_testkit.suite.lifecycle import LifecycleProperties
 from gen_testkit.suite.row_sampling import RowSamplingProperties
+from gen_testkit.suite.text import TextProperties
 
 __all__ = ["ConformanceSubject", "GenerationConformanceSuite", "conformance_config"]
 
@@ -36,6 +37,7 @@ class GenerationConformanceSuite(
     RowSamplingProperties,
     LifecycleProperties,
     CapabilityProperties,
+    TextProperties,
 ):
     """The CONTRACT's generation rules, as tests a backend's test class inherits.
 

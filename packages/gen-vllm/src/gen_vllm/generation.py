@@ -28,6 +28,7 @@ from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
 from gen_interface.schema import ForeignKeys
 from gen_interface.scoring import ScoreBatch, ScoredRow
 from gen_interface.stepping import RowControl
+from gen_interface.text import HfTokenizerCodec, TextCodec
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
 from gen_interface.weights.handles import WeightHandles
 
@@ -113,6 +114,8 @@ class VllmGeneration(GenerationBackend):
         self._token_streams = TokenStreams(self.replicas)
         self._calls = itertools.count()
         self._updates = ReplicaUpdateSteps(self.replicas)
+        self._trust_remote_code = bool(engine_args.get("trust_remote_code", False))
+        self._codec: TextCodec | None = None
         super().__init__(
             config,
             vocab_size=first["vocab_size"],
@@ -278,6 +281,19 @@ class VllmGeneration(GenerationBackend):
             [(s["rows"], s["starts"]) if s.size else None for s in shards], top_logprobs
         )
         return [_scored_row(row, top_logprobs) for shard in results for row in (shard or [])]
+
+    def _text_codec(self) -> TextCodec | None:
+        """The model's tokenizer, loaded in this process on first use (the engines hold their
+        own; ``generate_text`` tokenises here and sends ids)."""
+        if self._codec is None and self.has_tokenizer:
+            from transformers import AutoTokenizer
+
+            self._codec = HfTokenizerCodec(
+                AutoTokenizer.from_pretrained(
+                    self.config["model_name"], trust_remote_code=self._trust_remote_code
+                )
+            )
+        return self._codec
 
     # ---- life cycle --------------------------------------------------------------------------
 
