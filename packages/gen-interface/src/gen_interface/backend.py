@@ -27,9 +27,10 @@ A ``BackendBrokenError`` raised by any step marks the backend broken (every late
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self, cast
 
 import torch
@@ -45,6 +46,8 @@ from gen_interface.events import RowEvent
 from gen_interface.inputs import normalize_generation_input
 from gen_interface.interface import GenerationInterface, InFlight
 from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
+from gen_interface.loop_calls import LoopCalls
+from gen_interface.metrics import CallCount, GenerationMetrics
 from gen_interface.outputs import (
     RowResult,
     build_generation_output,
@@ -52,7 +55,7 @@ from gen_interface.outputs import (
     check_every_row,
 )
 from gen_interface.row_sampling import GenerationCall, resolve_sampling
-from gen_interface.scoring import ScoreBatch, ScoredRow, normalize_score_input, scatter_scores
+from gen_interface.scoring import ScoreBatch, ScoredRow, checked_score_input, scatter_scores
 from gen_interface.specs import (
     GenerationConfig,
     GenerationDatumSpec,
@@ -61,7 +64,6 @@ from gen_interface.specs import (
     ScoreSpec,
 )
 from gen_interface.stepping import RowControl
-from gen_interface.text import TextCodec, generate_text
 from gen_interface.threaded_rows import rows_from_thread
 from gen_interface.weights.consumer import (
     TensorSpecs,
@@ -77,7 +79,7 @@ from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
 __all__ = ["GenerationBackend", "GenerationCall"]
 
 
-class GenerationBackend(GenerationInterface):
+class GenerationBackend(LoopCalls, GenerationInterface):
     """The shared body of a backend; subclasses implement the steps listed in the module doc.
 
     A subclass completes its config (``complete_config``), builds its model or workers, then
@@ -125,6 +127,7 @@ class GenerationBackend(GenerationInterface):
             close=self._close,
             weights_absent=weights_absent,
         )
+        self._metrics = GenerationMetrics()
         self._weights: WeightUpdates | None = None
         if model_specs is not None:
             self._weights = WeightUpdates(
@@ -137,6 +140,7 @@ class GenerationBackend(GenerationInterface):
                     commit=self._commit_update,
                     abort=self._abort_update,
                 ),
+                self._metrics,
             )
 
     # ---- configuration -------------------------------------------------------------------
@@ -183,10 +187,12 @@ class GenerationBackend(GenerationInterface):
     ) -> BatchedDataDict[GenerationOutputSpec]:
         call = self._new_call(data, greedy)
         if self._weights is not None:
-            self._weights.admit(self.config.get("max_weight_staleness"))
-        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+            self._weights.admit(self.config.get("max_weight_staleness"), call.size)
+        with self._running(call) as count:
             rows = self._run_rows(call, RowControl())
-        check_every_row({i for i, row in enumerate(rows) if row is not None}, call.size)
+            check_every_row({i for i, row in enumerate(rows) if row is not None}, call.size)
+            for row in rows:
+                count.row(cast(RowResult, row))
         return build_generation_output(
             call.prompts,
             cast(list[RowResult], list(rows)),
@@ -201,12 +207,13 @@ class GenerationBackend(GenerationInterface):
         Closing the iterator early ends the rows not yet returned."""
         call = self._new_call(data, greedy)
         if self._weights is not None:
-            await self._weights.admit_async(self.config.get("max_weight_staleness"))
+            await self._weights.admit_async(self.config.get("max_weight_staleness"), call.size)
         pad, top_k = self.config["pad_token_id"], call.sampling.max_top_logprobs
         seen: set[int] = set()
-        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+        with self._running(call) as count:
             async for index, row in self._stream_rows(call):
                 seen.add(index)
+                count.row(row)
                 yield index, build_row_output(call.prompts, index, row, pad, top_k)
         check_every_row(seen, call.size)
 
@@ -218,15 +225,16 @@ class GenerationBackend(GenerationInterface):
         ends the rows not yet finished."""
         call = self._new_call(data, greedy)
         if self._weights is not None:
-            await self._weights.admit_async(self.config.get("max_weight_staleness"))
+            await self._weights.admit_async(self.config.get("max_weight_staleness"), call.size)
         pad, top_k = self.config["pad_token_id"], call.sampling.max_top_logprobs
         sent = [0] * call.size  # tokens already streamed, per row
         done: set[int] = set()
-        with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
+        with self._running(call) as count:
             async for index, step in self._stream_events(call):
                 if isinstance(step, RowResult):  # the row ended: what was not streamed, and it
                     new = slice(sent[index], None)
                     done.add(index)
+                    count.row(step, index)
                     tokens = list(step.token_ids[new])
                     no_top: list[list[Any]] = [[] for _ in tokens]
                     yield RowEvent(
@@ -241,6 +249,7 @@ class GenerationBackend(GenerationInterface):
                     )
                 else:
                     sent[index] += len(step.token_ids)
+                    count.token(index)
                     yield step
         check_every_row(done, call.size)
 
@@ -254,25 +263,13 @@ class GenerationBackend(GenerationInterface):
     ) -> BatchedDataDict[ScoreOutputSpec]:
         if not self._implements("_score_rows"):
             return super().score_top_logprobs(data, top_logprobs)
-        limit = self.max_top_logprobs
-        if (
-            isinstance(top_logprobs, bool)
-            or not isinstance(top_logprobs, int)
-            or top_logprobs < 0
-            or (limit is not None and top_logprobs > limit)
-        ):
-            most = "" if limit is None else f" and <= {limit} (max_logprobs)"
-            raise GenerationInputError(
-                f"top_logprobs must be an integer >= 0{most}, got {top_logprobs!r}"
-            )
-        batch = normalize_score_input(data, vocab_size=self.vocab_size)
-        limit_len = self.context_limit
-        too_long = [i for i, s in enumerate(batch.sequences) if limit_len and len(s) >= limit_len]
-        if too_long:
-            raise GenerationInputError(
-                f"score row {too_long[0]} has {len(batch.sequences[too_long[0]])} tokens; "
-                f"sequences must be shorter than the context limit {limit_len}"
-            )
+        batch = checked_score_input(
+            data,
+            top_logprobs,
+            max_top_logprobs=self.max_top_logprobs,
+            vocab_size=self.vocab_size,
+            context_limit=self.context_limit,
+        )
         with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
             rows = self._score_rows(batch, top_logprobs) if batch.sequences else []
         return scatter_scores(batch, rows, top_logprobs)
@@ -390,8 +387,19 @@ class GenerationBackend(GenerationInterface):
         self._lifecycle.check_open(WeightUpdateError)
         return self._weights
 
-    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
-        return generate_text(self, self._text_codec(), data, greedy)
+    @contextlib.contextmanager
+    def _running(self, call: GenerationCall) -> Iterator[CallCount]:
+        """A call's rows run: counted, in the life cycle's generating state, fatal errors
+        breaking the backend."""
+        weights = self._weights
+        newest = (lambda: weights.announced) if weights is not None else (lambda: 0)
+        life = self._lifecycle
+        with (
+            self._metrics.call(call.size, newest) as count,
+            life.generating(),
+            life.breaks_on_fatal(),
+        ):
+            yield count
 
     # ---- the backend's steps -------------------------------------------------------------
 
@@ -435,10 +443,6 @@ class GenerationBackend(GenerationInterface):
         """Per row, the raw logprob of each response token and the ``top_logprobs`` likeliest
         tokens at each response position (``scoring.scored_row`` builds one from logits)."""
         raise NotImplementedError(f"{type(self).__name__} does not support score")
-
-    def _text_codec(self) -> TextCodec | None:
-        """The tokenizer ``generate_text`` goes through (None: it is refused)."""
-        return None
 
     def _wake(self, resources: tuple[Resource, ...]) -> None:
         """Bring back the given resources (asleep now), in the order given."""

@@ -348,6 +348,18 @@ class GenerationInterface(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not support generate_text")
 
+    def get_logger_metrics(self) -> dict[str, int | float]:
+        """What the backend did since ``clear_logger_metrics`` (NeMo RL's names): rows and
+        tokens generated, rows running now and at most, row and first-token times, tokens per
+        second, refits and their seconds and bytes, the weight version, rows refused or held by
+        the staleness bound, tokens per weight version behind the newest. The names are listed
+        in ``gen_interface.metrics``; the default reports nothing."""
+        return {}
+
+    def clear_logger_metrics(self) -> None:
+        """Start counting anew (gauges such as rows running keep their values)."""
+        return None
+
     def invalidate_kv_cache(self) -> bool:
         """Drop cached keys and values of finished prompts (a prefix cache), so later rows
         recompute them; NeMo RL's name. Rows running keep theirs.

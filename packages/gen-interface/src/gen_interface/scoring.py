@@ -15,6 +15,7 @@ from gen_interface.specs import ScoreOutputSpec
 __all__ = [
     "ScoreBatch",
     "ScoredRow",
+    "checked_score_input",
     "normalize_score_input",
     "scatter_response_logprobs",
     "scatter_scores",
@@ -60,6 +61,43 @@ def scored_row(log_probs: torch.Tensor, targets: torch.Tensor, top_logprobs: int
     chosen = log_probs.gather(1, targets[:, None].to(log_probs.device)).squeeze(1)
     values, ids = log_probs.topk(min(top_logprobs, log_probs.shape[-1]), dim=-1)
     return ScoredRow(chosen.cpu(), ids.cpu(), values.cpu())
+
+
+def checked_score_input(
+    data: Mapping[str, Any],
+    top_logprobs: int,
+    *,
+    max_top_logprobs: int | None,
+    vocab_size: int | None,
+    context_limit: int | None,
+) -> ScoreBatch:
+    """``normalize_score_input`` plus the checks of a backend's limits: ``top_logprobs`` an
+    integer in ``[0, max_top_logprobs]``, every sequence shorter than ``context_limit``.
+
+    Raises:
+        GenerationInputError: naming what is out of bounds.
+    """
+    limit = max_top_logprobs
+    if (
+        isinstance(top_logprobs, bool)
+        or not isinstance(top_logprobs, int)
+        or top_logprobs < 0
+        or (limit is not None and top_logprobs > limit)
+    ):
+        most = "" if limit is None else f" and <= {limit} (max_logprobs)"
+        raise GenerationInputError(
+            f"top_logprobs must be an integer >= 0{most}, got {top_logprobs!r}"
+        )
+    batch = normalize_score_input(data, vocab_size=vocab_size)
+    too_long = [
+        i for i, s in enumerate(batch.sequences) if context_limit and len(s) >= context_limit
+    ]
+    if too_long:
+        raise GenerationInputError(
+            f"score row {too_long[0]} has {len(batch.sequences[too_long[0]])} tokens; "
+            f"sequences must be shorter than the context limit {context_limit}"
+        )
+    return batch
 
 
 def normalize_score_input(data: Mapping[str, Any], *, vocab_size: int | None = None) -> ScoreBatch:

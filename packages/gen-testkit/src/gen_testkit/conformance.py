@@ -25,6 +25,7 @@ from gen_testkit.suite.capabilities import CapabilityProperties
 from gen_testkit.suite.determinism import DeterminismProperties
 from gen_testkit.suite.layout import LayoutProperties
 from gen_testkit.suite.lifecycle import LifecycleProperties
+from gen_testkit.suite.metrics import MetricsProperties
 from gen_testkit.suite.row_sampling import RowSamplingProperties
 from gen_testkit.suite.text import TextProperties
 
@@ -38,6 +39,7 @@ class GenerationConformanceSuite(
     LifecycleProperties,
     CapabilityProperties,
     TextProperties,
+    MetricsProperties,
 ):
     """The CONTRACT's generation rules, as tests a backend's test class inherits.
 

@@ -39,6 +39,7 @@ class RowRouter:
         self._capacity = capacity
         self.outstanding = [0] * len(replicas)  # estimated tokens still to generate, per replica
         self.rows = [0] * len(replicas)  # rows in flight, per replica
+        self.tokens = [0] * len(replicas)  # tokens generated (not scored), per replica
         self._freed: asyncio.Condition | None = None
 
     async def run(
@@ -84,7 +85,10 @@ class RowRouter:
                 for task in done:
                     index, replica, _ = running.pop(task)
                     await self._give_back(replica, costs[index])
-                    yield index, task.result()
+                    row = task.result()
+                    if row.prompt_logprobs is None:
+                        self.tokens[replica] += len(row.token_ids)
+                    yield index, row
         finally:
             for task, (index, replica, ref) in running.items():
                 _cancel(ref)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gen_interface.errors import StaleWeightsError, WeightUpdateError
 from gen_interface.lifecycle import Lifecycle, LifecycleView
+from gen_interface.metrics import GenerationMetrics
 from gen_interface.weights.consumer import TensorSpecs, check_update_is_complete
 from gen_interface.weights.handles import describe_weight_handles
 from gen_interface.weights.transaction import WeightTransaction, next_version
@@ -73,8 +75,11 @@ class WeightUpdates:
         model: TensorSpecs,
         optional: Collection[str],
         steps: WeightUpdateSteps,
+        metrics: GenerationMetrics | None = None,
     ):
         self.lifecycle = lifecycle
+        self.metrics = metrics if metrics is not None else GenerationMetrics()
+        self._timing = _UpdateTiming()
         self.model = model
         self.optional = frozenset(optional)
         self.steps = steps
@@ -108,6 +113,7 @@ class WeightUpdates:
             with self._changed:
                 self._open = WeightTransaction(self.model, self.optional, target)
                 self.announced = max(self.announced, target)
+            self._timing = _UpdateTiming()
             return target
 
     def load(self, handles: Mapping[str, Any]) -> None:
@@ -120,7 +126,7 @@ class WeightUpdates:
         with self._lock:
             if self._open is not None:
                 self._open.accept_specs(incoming)  # a refused load changes nothing
-                write()
+                self._timed_write(incoming, write)
                 return
             # A single call is a whole update: check it all before anything is written.
             check_update_is_complete(incoming, self.model, self.optional)
@@ -128,7 +134,7 @@ class WeightUpdates:
             try:
                 assert self._open is not None
                 self._open.accept_specs(incoming)
-                write()
+                self._timed_write(incoming, write)
                 self.commit()
             except BaseException:
                 self.abort()
@@ -156,6 +162,11 @@ class WeightUpdates:
                 self.version = txn.version
                 self._open = None
                 self._changed.notify_all()
+            timing = self._timing
+            self.metrics.refit_committed(
+                time.perf_counter() - timing.started, timing.load_seconds, timing.nbytes
+            )
+            self.metrics.set_weight_version(txn.version)
             self.lifecycle.weights_arrived()
             self.lifecycle.end_update()
             return txn.version
@@ -198,7 +209,17 @@ class WeightUpdates:
             self._changed.notify_all()
             return self.announced
 
-    def admit(self, max_staleness: int | None) -> None:
+    def _timed_write(self, incoming: TensorSpecs, write: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        try:
+            write()
+        finally:
+            self._timing.load_seconds += time.perf_counter() - started
+        self._timing.nbytes += sum(
+            shape.numel() * dtype.itemsize for shape, dtype in incoming.values()
+        )
+
+    def admit(self, max_staleness: int | None, rows: int = 1) -> None:
         """Return once rows may start under a call's ``max_weight_staleness``: at once when the
         committed weights are at most ``max_staleness`` versions behind the newest announced
         (or the bound is None); after the open update commits when that update closes the gap.
@@ -211,20 +232,25 @@ class WeightUpdates:
         if max_staleness is None:
             return
         with self._changed:
+            waited = False
             while self.announced - self.version > max_staleness:
                 txn = self._open
                 if txn is None or self.announced - txn.version > max_staleness:
+                    self.metrics.stale(refused=True, rows=rows)
                     raise self._stale_error(max_staleness)
+                if not waited:
+                    self.metrics.stale(refused=False, rows=rows)
+                    waited = True
                 self._changed.wait(timeout=1.0)
                 if self.lifecycle.state in ("shut down", "broken"):
                     self.lifecycle.check_can_generate()  # says which, and what to do
 
-    async def admit_async(self, max_staleness: int | None) -> None:
+    async def admit_async(self, max_staleness: int | None, rows: int = 1) -> None:
         """``admit`` without blocking the event loop: a thread waits only when rows must."""
         with self._changed:
             if max_staleness is None or self.announced - self.version <= max_staleness:
                 return
-        await asyncio.to_thread(self.admit, max_staleness)
+        await asyncio.to_thread(self.admit, max_staleness, rows)
 
     def _stale_error(self, max_staleness: int) -> StaleWeightsError:
         txn = self._open
@@ -246,3 +272,12 @@ class WeightUpdates:
                 f"{what}() without a weight update in progress: call start_weight_update() first"
             )
         return self._open
+
+
+@dataclass
+class _UpdateTiming:
+    """How long the open update has run, how long its loads took, and what they carried."""
+
+    started: float = field(default_factory=time.perf_counter)
+    load_seconds: float = 0.0
+    nbytes: int = 0
