@@ -172,3 +172,15 @@ def test_pause_holds_or_cuts_running_rows_and_resume_lets_them_go_on(any_server,
     else:
         assert finish == "abort" and 0 < len(tokens) < 200
     assert len(again["choices"][0]["token_ids"]) == 4  # serving again, weights unchanged
+
+
+def test_metrics_publish_the_backend_s_own_counts(any_server):
+    body = _body(0, 5)
+    with httpx.Client(base_url=any_server.url, timeout=60) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        scraped = http.get("/metrics").text
+    counted = any_server.state.backend.get_logger_metrics()
+    lines = [line for line in scraped.splitlines() if line.startswith("gen:backend_rows_generated")]
+    assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) == counted["rows_generated_total"]
+    assert counted["rows_generated_total"] >= 1
+    assert "gen:backend_tokens_per_second" in scraped and "vllm:generation_tokens" in scraped

@@ -47,7 +47,7 @@ def build_app(
     """
     if codec is None and (Path(settings.model_path) / "tokenizer.json").is_file():
         codec = TextCodec.from_model_dir(settings.model_path)
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics(settings.model_name, backend.get_logger_metrics)
     state = ServerState(
         settings=settings,
         backend=backend,

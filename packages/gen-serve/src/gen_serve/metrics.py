@@ -1,11 +1,13 @@
 """Prometheus metrics, under vLLM's names where vLLM has them (dashboards for ``vllm serve``
-read them unchanged), plus the weight version and update times this server adds."""
+read them unchanged), plus the weight version and update times this server adds, and every
+value of the backend's ``get_logger_metrics`` as ``gen:backend_<name>``, read at each scrape."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 __all__ = ["ServerMetrics"]
 
@@ -16,9 +18,15 @@ _UPDATE_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
 class ServerMetrics:
     """One server's metrics, in a registry of its own (several servers may share a process)."""
 
-    def __init__(self, model_name: str):
+    def __init__(
+        self,
+        model_name: str,
+        backend_metrics: Callable[[], Mapping[str, int | float]] | None = None,
+    ):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
+        if backend_metrics is not None:
+            self.registry.register(_BackendMetrics(backend_metrics, labels))
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
@@ -76,3 +84,24 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _BackendMetrics:
+    """The backend's ``get_logger_metrics``, read at each scrape, as gauges."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int | float]], labels: dict[str, str]):
+        self._read = read
+        self._labels = labels
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # the names are known only once the backend reports
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, value in sorted(self._read().items()):
+            family = GaugeMetricFamily(
+                f"gen:backend_{name}",
+                f"the backend's get_logger_metrics()[{name!r}]",
+                labels=list(self._labels),
+            )
+            family.add_metric(list(self._labels.values()), float(value))
+            yield family
