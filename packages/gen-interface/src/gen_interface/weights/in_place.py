@@ -24,7 +24,13 @@ import torch
 
 from gen_interface.weights.checksum import combine_checksums
 from gen_interface.weights.chunked import chunk_checksums
-from gen_interface.weights.handles import HANDLES_FORMAT, TensorSlot, WeightBucket, WeightHandles
+from gen_interface.weights.handles import (
+    HANDLES_FORMAT,
+    TensorSlot,
+    WeightBucket,
+    WeightHandles,
+    dtype_name,
+)
 from gen_interface.weights.layout import (
     Allocation,
     NamedTensors,
@@ -188,7 +194,7 @@ def in_place_handles(path: str, segment: torch.Tensor, group: NamedTensors) -> W
         slots.append(
             TensorSlot(
                 name=name,
-                dtype=str(tensor.dtype).removeprefix("torch."),
+                dtype=dtype_name(tensor.dtype),
                 shape=list(tensor.shape),
                 offset=tensor.data_ptr() - base,
                 nbytes=int(flat.numel()),
