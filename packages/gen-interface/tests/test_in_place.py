@@ -38,12 +38,12 @@ def test_shared_parameters_keep_values_identity_ties_and_training():
         assert model.head.weight is model.embed.weight and model.embed.weight.requires_grad
         assert len(shared.paths) > 1 and all(os.path.exists(p) for p in shared.paths)
         in_place, rest = split_in_place(named_tensors(model.state_dict()))
-        assert not rest and {p for p, _, _ in in_place} <= set(shared.paths)
+        assert not rest and {segment.path for segment, _ in in_place} <= set(shared.paths)
         model(torch.tensor([[1, 2, 3]])).sum().backward()
         optimizer.step()  # the optimizer writes into the shared tensors
         assert not torch.equal(model.mlp.weight, before["mlp.weight"])
-        path, segment, group = in_place[0]
-        read = dict(read_shared_weights(in_place_handles(path, segment, group)))
+        segment, group = in_place[0]
+        read = dict(read_shared_weights(in_place_handles(segment, group)))
         assert all(torch.equal(read[name], tensor) for name, tensor in group)
     assert not any(os.path.exists(p) for p in shared.paths)
     # once closed, the tensors stay valid but are sent by copy
@@ -54,8 +54,8 @@ def test_shared_parameters_keep_values_identity_ties_and_training():
 def test_a_tensor_written_while_it_is_read_is_refused():
     model = _Tied()
     with share_parameters(model):
-        (path, segment, group), *_ = split_in_place(named_tensors(model.state_dict()))[0]
-        handles = in_place_handles(path, segment, group)
+        (segment, group), *_ = split_in_place(named_tensors(model.state_dict()))[0]
+        handles = in_place_handles(segment, group)
         with torch.no_grad():
             group[0][1].add_(1.0)  # an optimizer step during the refit
         with pytest.raises(WeightUpdateError, match="changed after it was shared"):

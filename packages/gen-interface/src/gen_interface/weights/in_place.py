@@ -22,24 +22,19 @@ from collections.abc import Mapping
 
 import torch
 
-from gen_interface.weights.checksum import combine_checksums
 from gen_interface.weights.chunked import chunk_checksums
-from gen_interface.weights.handles import (
-    HANDLES_FORMAT,
-    TensorSlot,
-    WeightBucket,
-    WeightHandles,
-    dtype_name,
-)
+from gen_interface.weights.handles import WeightHandles
 from gen_interface.weights.layout import (
     Allocation,
     NamedTensors,
     Place,
+    describe_bucket,
     group_bytes,
-    host_name,
+    local_handles,
     pack,
     plan_buckets,
     slot_view,
+    tensor_slot,
 )
 from gen_interface.weights.shm import unlink_segment
 
@@ -55,8 +50,8 @@ __all__ = [
 #: fixed) but a few per model, so a worker reads one while the trainer hashes the next.
 DEFAULT_SEGMENT_BYTES = 256 * 2**20
 
-# Live segments of every SharedParameters in this process: path -> uint8 tensor mapping it.
-_SEGMENTS: dict[str, torch.Tensor] = {}
+# Live segments of every SharedParameters in this process, by path.
+_SEGMENTS: dict[str, Allocation] = {}
 _SEGMENTS_LOCK = threading.Lock()
 
 
@@ -71,13 +66,8 @@ class SharedParameters:
     def __init__(self, allocations: list[Allocation]):
         self.paths = [a.path for a in allocations]
         with _SEGMENTS_LOCK:
-            _SEGMENTS.update((a.path, a.data) for a in allocations)
+            _SEGMENTS.update((a.path, a) for a in allocations)
         self._finalizer = weakref.finalize(self, _forget, list(self.paths))
-
-    @property
-    def nbytes(self) -> int:
-        with _SEGMENTS_LOCK:
-            return sum(int(_SEGMENTS[p].numel()) for p in self.paths if p in _SEGMENTS)
 
     def close(self) -> None:
         """Unlink the segments. Idempotent."""
@@ -163,70 +153,51 @@ def _copy_into_segments(
 
 def split_in_place(
     tensors: NamedTensors,
-) -> tuple[list[tuple[str, torch.Tensor, NamedTensors]], NamedTensors]:
+) -> tuple[list[tuple[Allocation, NamedTensors]], NamedTensors]:
     """Tensors that can be sent in place, grouped by the segment they live in (in order of
     first appearance), and the rest (to be copied)."""
     with _SEGMENTS_LOCK:
-        segments = dict(_SEGMENTS)
-    ranges = sorted(
-        (data.data_ptr(), data.data_ptr() + data.numel(), path, data)
-        for path, data in segments.items()
-    )
-    groups: dict[str, tuple[torch.Tensor, NamedTensors]] = {}
+        segments = list(_SEGMENTS.values())
+    if not segments:
+        return [], tensors
+    groups: dict[str, tuple[Allocation, NamedTensors]] = {}
     rest: NamedTensors = []
     for name, tensor in tensors:
-        found = _segment_of(tensor, ranges)
-        if found is None:
+        segment = _segment_of(tensor, segments)
+        if segment is None:
             rest.append((name, tensor))
         else:
-            groups.setdefault(found[0], (found[1], []))[1].append((name, tensor))
-    return [(path, data, group) for path, (data, group) in groups.items()], rest
+            groups.setdefault(segment.path, (segment, []))[1].append((name, tensor))
+    return list(groups.values()), rest
 
 
-def in_place_handles(path: str, segment: torch.Tensor, group: NamedTensors) -> WeightHandles:
-    """Handles to ``group``'s tensors where they are, in segment ``path`` (mapped as
-    ``segment``), each with its chunk checksums (one read of their bytes, no copy)."""
-    base = segment.data_ptr()
-    slots = []
-    for name, tensor in group:
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        chunks = chunk_checksums(flat)
-        slots.append(
-            TensorSlot(
-                name=name,
-                dtype=dtype_name(tensor.dtype),
-                shape=list(tensor.shape),
-                offset=tensor.data_ptr() - base,
-                nbytes=int(flat.numel()),
-                checksum=combine_checksums(chunks),
-                chunks=chunks,
-            )
+def in_place_handles(segment: Allocation, group: NamedTensors) -> WeightHandles:
+    """Handles to ``group``'s tensors where they are, in ``segment``, each with its chunk
+    checksums (one read of their bytes, no copy)."""
+    base = segment.data.data_ptr()
+    slots = [
+        tensor_slot(
+            name,
+            tensor,
+            tensor.data_ptr() - base,
+            chunk_checksums(tensor.detach().reshape(-1).view(torch.uint8)),
         )
-    bucket = WeightBucket(
-        transport="shm",
-        location=path,
-        ipc_args=b"",
-        device_uuid="",
-        nbytes=int(segment.numel()),
-        checksum=combine_checksums(s["checksum"] for s in slots),
-        tensors=slots,
-    )
-    return WeightHandles(
-        format=HANDLES_FORMAT, host=host_name(), buckets=[bucket], release_after_read=False
-    )
+        for name, tensor in group
+    ]
+    bucket = describe_bucket(segment, segment.capacity, slots)
+    return local_handles([bucket], release_after_read=False)
 
 
-def _segment_of(
-    tensor: torch.Tensor, ranges: list[tuple[int, int, str, torch.Tensor]]
-) -> tuple[str, torch.Tensor] | None:
+def _segment_of(tensor: torch.Tensor, segments: list[Allocation]) -> Allocation | None:
     """The segment holding all of ``tensor``'s bytes, if it is contiguous and on the CPU."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not ranges:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return None
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    for low, high, path, data in ranges:
-        if low <= start and end <= high and (start - low) % tensor.element_size() == 0:
-            return path, data
+    for segment in segments:
+        low = segment.data.data_ptr()
+        if low <= start and end <= low + segment.capacity:
+            return segment
     return None
 
 

@@ -15,18 +15,28 @@ from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import bytes_checksum, combine_checksums
 from gen_interface.weights.chunked import chunk_checksums, copy_with_checksums
 from gen_interface.weights.cuda_ipc import device_index, device_uuid, export_cuda_bucket
-from gen_interface.weights.handles import TensorSlot, WeightBucket, dtype_from_name, dtype_name
+from gen_interface.weights.handles import (
+    HANDLES_FORMAT,
+    TensorSlot,
+    WeightBucket,
+    WeightHandles,
+    dtype_from_name,
+    dtype_name,
+)
 from gen_interface.weights.shm import create_segment
 
 __all__ = [
     "Allocation",
     "NamedTensors",
     "Place",
+    "describe_bucket",
     "fill_bucket",
+    "local_handles",
     "pack",
     "plan_buckets",
     "resolve_places",
     "slot_view",
+    "tensor_slot",
     "unpack",
     "unpack_verified",
 ]
@@ -132,25 +142,14 @@ def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int
         nbytes = tensor.numel() * tensor.element_size()
         region = data[offset : offset + nbytes]
         source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        slot = TensorSlot(
-            name=name,
-            dtype=dtype_name(tensor.dtype),
-            shape=list(tensor.shape),
-            offset=offset,
-            nbytes=nbytes,
-            checksum=0,
-        )
-        if region.device.type == "cpu":
-            if source.device.type == "cpu":
-                slot["chunks"] = copy_with_checksums(region, source)
-            else:
-                region.copy_(source)
-                slot["chunks"] = chunk_checksums(region)
-            slot["checksum"] = combine_checksums(slot["chunks"])
+        if region.device.type == "cpu" and source.device.type == "cpu":
+            slots.append(tensor_slot(name, tensor, offset, copy_with_checksums(region, source)))
+        elif region.device.type == "cpu":  # from a GPU into host memory
+            region.copy_(source)
+            slots.append(tensor_slot(name, tensor, offset, chunk_checksums(region)))
         else:
             region.copy_(source)
-            slot["checksum"] = bytes_checksum(region)
-        slots.append(slot)
+            slots.append(tensor_slot(name, tensor, offset, None, bytes_checksum(region)))
         offset += aligned(nbytes)
     return slots, offset
 
@@ -193,13 +192,40 @@ def fill_bucket(allocation: Allocation, group: NamedTensors) -> WeightBucket:
     Each tensor's checksum is taken right after it is written; the bucket's combines them.
     """
     slots, offset = pack(allocation.data, group)
+    return describe_bucket(allocation, offset, slots)
+
+
+def tensor_slot(
+    name: str,
+    tensor: torch.Tensor,
+    offset: int,
+    chunks: list[int] | None,
+    checksum: int | None = None,
+) -> TensorSlot:
+    """The slot of ``tensor`` at ``offset``: host bytes with their chunk checksums (``checksum``
+    combines them), or device bytes with their ``checksum``."""
+    slot = TensorSlot(
+        name=name,
+        dtype=dtype_name(tensor.dtype),
+        shape=list(tensor.shape),
+        offset=offset,
+        nbytes=tensor.numel() * tensor.element_size(),
+        checksum=combine_checksums(chunks) if chunks is not None else int(checksum or 0),
+    )
+    if chunks is not None:
+        slot["chunks"] = chunks
+    return slot
+
+
+def describe_bucket(allocation: Allocation, nbytes: int, slots: list[TensorSlot]) -> WeightBucket:
+    """The bucket of ``slots``, the first ``nbytes`` of ``allocation``."""
     device = allocation.place.device
     return WeightBucket(
         transport="shm" if device is None else "cuda_ipc",
         location=allocation.path,
         ipc_args=allocation.ipc_args,
         device_uuid="" if device is None else device_uuid(device),
-        nbytes=offset,
+        nbytes=nbytes,
         checksum=combine_checksums(slot["checksum"] for slot in slots),
         tensors=slots,
     )
@@ -207,6 +233,16 @@ def fill_bucket(allocation: Allocation, group: NamedTensors) -> WeightBucket:
 
 def aligned(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def local_handles(buckets: list[WeightBucket], *, release_after_read: bool) -> WeightHandles:
+    """Handles to ``buckets`` made by this process, on this host."""
+    return WeightHandles(
+        format=HANDLES_FORMAT,
+        host=host_name(),
+        buckets=buckets,
+        release_after_read=release_after_read,
+    )
 
 
 def host_name() -> str:

@@ -11,13 +11,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from gen_interface.weights.handles import HANDLES_FORMAT, WeightBucket, WeightHandles
+from gen_interface.weights.handles import WeightBucket, WeightHandles
 from gen_interface.weights.layout import (
     Allocation,
     NamedTensors,
     fill_bucket,
     group_bytes,
-    host_name,
+    local_handles,
     plan_buckets,
     resolve_places,
 )
@@ -119,10 +119,7 @@ def share_weights(
     except BaseException:
         _unlink_all([a.path for a in allocations if a.path])
         raise
-    handles = WeightHandles(
-        format=HANDLES_FORMAT, host=host_name(), buckets=buckets, release_after_read=True
-    )
-    return SharedWeights(handles, allocations)
+    return SharedWeights(local_handles(buckets, release_after_read=True), allocations)
 
 
 def _unlink_all(segments: list[str]) -> None:

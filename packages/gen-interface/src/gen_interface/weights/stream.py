@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gen_interface.interface import BackendCapabilities
-from gen_interface.weights.handles import HANDLES_FORMAT, WeightHandles
+from gen_interface.weights.handles import WeightHandles
 from gen_interface.weights.in_place import in_place_handles, split_in_place
 from gen_interface.weights.layout import (
     Allocation,
@@ -26,7 +26,7 @@ from gen_interface.weights.layout import (
     Place,
     fill_bucket,
     group_bytes,
-    host_name,
+    local_handles,
     plan_buckets,
     resolve_places,
 )
@@ -81,9 +81,7 @@ class BucketRing:
                     _free(current)
                 allocations[slot] = current = place.allocate(max(self.capacity, needed))
             buckets.append(fill_bucket(current, group))
-        return WeightHandles(
-            format=HANDLES_FORMAT, host=host_name(), buckets=buckets, release_after_read=False
-        )
+        return local_handles(buckets, release_after_read=False)
 
     def allocated_bytes(self) -> int:
         """Bytes the ring holds now, all places and slots."""
@@ -176,8 +174,8 @@ class Refitter:
             loading: list[Future[None]] = []  # every load, in order
             filled: list[Future[None]] = []  # loads of ring buckets, in order
             try:
-                for path, segment, group in in_place:
-                    handles = in_place_handles(path, segment, group)
+                for segment, group in in_place:
+                    handles = in_place_handles(segment, group)
                     loading.append(loader.submit(backend.update_weights_from_ipc_handles, handles))
                 for index, group in enumerate(groups):
                     assert ring is not None

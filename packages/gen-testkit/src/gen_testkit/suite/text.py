@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from gen_interface import BatchedDataDict, GenerationError, GenerationInputError
+from gen_interface import GenerationError, GenerationInputError
 
+from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase
 
 __all__ = ["TextProperties"]
@@ -30,12 +30,7 @@ class TextProperties(SuiteBase):
 
         tokenizer = AutoTokenizer.from_pretrained(backend.config["model_name"])
         ids = [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
-        width = max(map(len, ids))
-        pad = backend.config["pad_token_id"]
-        batch: BatchedDataDict[Any] = BatchedDataDict(
-            input_ids=torch.tensor([row + [pad] * (width - len(row)) for row in ids]),
-            input_lengths=torch.tensor([len(row) for row in ids]),
-        )
+        batch = pad_prompts(ids, "lengths", pad_token_id=backend.config["pad_token_id"])
         reference = backend.generate(batch, greedy=True)
         expected = [
             tokenizer.decode(
