@@ -158,6 +158,11 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         validate_generation_config(
             config, schema=cls.config_schema, foreign=cls.config_foreign_keys
         )
+        if config.get("batch_invariant"):
+            raise GenerationConfigError(
+                f"batch_invariant is true but {cls.__name__} has no batch-invariant kernels; "
+                "use backend 'hf' (CPU) or 'vllm' (CUDA), or set batch_invariant to false"
+            )
         return cast(GenerationConfig, copy.deepcopy(dict(config)))
 
     @classmethod

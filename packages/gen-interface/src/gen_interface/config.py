@@ -45,6 +45,7 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "colocated": {"enabled": False},
     "max_weight_staleness": None,
+    "batch_invariant": False,
 }
 
 #: Settings a backend can change between calls without reloading anything (vLLM takes them per

@@ -55,6 +55,9 @@ class BackendCapabilities:
             is fastest with, as measured by ``tools/bench/refit.py``.
         refit_buffers: buckets per place for such a refit: 2 fills one while the backend loads
             the other; 1 when loading needs every core (the fill would only slow it down).
+        batch_invariant: ``batch_invariant: true`` is honoured here: every logprob equals, bit
+            for bit, the trainer-side forward of ``gen_interface.exact`` on the same tokens,
+            whatever the batch. False: the setting is refused (see ``notes`` for why).
         notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """
 
@@ -68,6 +71,7 @@ class BackendCapabilities:
     token_streaming: bool = False
     refit_bucket_bytes: int = 64 * 2**20
     refit_buffers: int = 2
+    batch_invariant: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
