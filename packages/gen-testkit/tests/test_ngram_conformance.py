@@ -73,3 +73,16 @@ class TestNgramAsyncRows(AsyncRowChecks):
     @classmethod
     def subject(cls):
         yield from ngram_subject("raw")
+
+
+def test_a_backend_without_batch_invariant_kernels_refuses_the_setting_by_name():
+    from gen_interface import GenerationConfigError
+
+    config = conformance_config(
+        backend="ngram", model_name="ngram", vocab_size=VOCAB, batch_invariant=True
+    )
+    with pytest.raises(GenerationConfigError, match="NgramGeneration has no batch-invariant"):
+        NgramGeneration(config)
+    backend = NgramGeneration(dict(config, batch_invariant=False))
+    assert not backend.capabilities.batch_invariant
+    backend.shutdown()

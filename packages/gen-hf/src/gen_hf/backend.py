@@ -33,6 +33,7 @@ from gen_interface.text import HfTokenizerCodec, TextCodec
 
 from gen_hf.config import HfConfig, complete_hf_config
 from gen_hf.decode import DecodeCall, decode_batch
+from gen_hf.exact import use_batch_invariant_kernels
 from gen_hf.loading import (
     LoadedModel,
     load_model,
@@ -85,7 +86,15 @@ class HfGeneration(InProcessBackend):
                 f"from model_name {config['model_name']!r}; use stop_token_ids, or give a "
                 "model directory with a tokenizer"
             )
+        if config.get("batch_invariant", False) and self._device.type != "cpu":
+            raise GenerationConfigError(
+                "batch_invariant is true but gen-hf's batch-invariant kernels are verified on "
+                f"the CPU only, and hf_cfg.device resolves to {self._device}; set "
+                "hf_cfg.device to 'cpu', or use backend 'vllm' on CUDA"
+            )
         self._loaded: LoadedModel | None = load_model(config, self._device)
+        if config.get("batch_invariant", False):
+            use_batch_invariant_kernels(self._loaded.model)
         self._max_batch_size = int(hf_cfg["max_batch_size"])
         self._offload_on_finish = self._device.type == "cuda" and config["colocated"]["enabled"]
         self._targets: dict[str, torch.Tensor] | None = None
@@ -132,6 +141,10 @@ class HfGeneration(InProcessBackend):
             )
         if self._decode is None:
             notes.append("no tokenizer loads from model_name: stop strings are refused")
+        if on_cuda:
+            notes.append(
+                "batch_invariant is refused on CUDA: the kernels are verified on the CPU only"
+            )
         return BackendCapabilities(
             sleep=self._offload_on_finish,
             async_generation=True,
@@ -141,6 +154,7 @@ class HfGeneration(InProcessBackend):
             devices=(self._device.type,),
             score=True,
             stop_strings=self._decode is not None,
+            batch_invariant=not on_cuda,
             notes=tuple(notes),
         )
 

@@ -141,6 +141,7 @@ def generation_configs(
         "dtype": draw(st.sampled_from(["auto", "float32", "bfloat16", "float16"])),
         "colocated": {"enabled": draw(st.booleans())},
         "max_weight_staleness": draw(st.one_of(st.none(), st.integers(0, 8))),
+        "batch_invariant": False,
     }
 
 
@@ -162,6 +163,7 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "dtype": ["fp32", "float64", None],
     "colocated": [True, {}, {"enabled": "yes"}, None],
     "max_weight_staleness": [-1, 1.5, "2", True],
+    "batch_invariant": ["yes", 1, None],
 }
 
 
