@@ -70,3 +70,13 @@ def test_config_seeds_beyond_32_bits_reach_every_row_and_the_engine_takes_them()
     """vLLM seeds numpy with its engine seed (32 bits); rows carry their own 64-bit seeds."""
     config = complete_vllm_config(dict(BASE, seed=2**40 + 5))
     assert engine_args_for(config, use_gpus=False)["seed"] == 5
+
+
+def test_batch_invariant_is_refused_on_cpu_before_any_engine_starts(ray_session):
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    config = dict(BASE, batch_invariant=True, model_name="never-loaded")
+    with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1) as cluster:
+        with pytest.raises(BackendUnavailableError, match=r"needs CUDA.*backend 'hf'"):
+            VllmGeneration(cluster, config)
+        assert not ray_session.util.list_named_actors()  # nothing was started

@@ -27,7 +27,7 @@ def gpu_backends(ray_session):
 
     made = []
 
-    def make(model_path, *, colocated=False, bundles=1, tp=1, prefix="gpu"):
+    def make(model_path, *, colocated=False, bundles=1, tp=1, prefix="gpu", **extra):
         cluster = RayVirtualCluster([bundles], use_gpus=True, max_colocated_worker_groups=2)
         config = conformance_config(
             backend="vllm",
@@ -35,6 +35,7 @@ def gpu_backends(ray_session):
             vocab_size=512,
             colocated={"enabled": colocated},
             vllm_cfg={"gpu_memory_utilization": 0.2, "tensor_parallel_size": tp},
+            **extra,
         )
         backend = VllmGeneration(cluster, config, prefix)
         made.append((backend, cluster))
@@ -141,3 +142,15 @@ def test_tensor_parallel_refit_verifies_rank_by_rank(gpu_backends, tiny_qwen2, t
     backend.prepare_for_generation()
     fresh = gpu_backends(saved(tiny_qwen2, new, tmp_path / "new"), bundles=2, tp=2, prefix="f")
     assert_same(greedy(backend), greedy(fresh))
+
+
+def test_batch_invariant_mode_gives_a_row_the_same_logprobs_in_any_batch(gpu_backends, tiny_qwen2):
+    """vLLM's own batch-invariant kernels (VLLM_BATCH_INVARIANT) behind ``batch_invariant``."""
+    backend = gpu_backends(tiny_qwen2, batch_invariant=True, prefix="gpu-bi")
+    assert backend.capabilities.batch_invariant
+    together = backend.generate(pad_prompts(PROMPTS * 8, "left"), greedy=True)
+    for i, prompt in enumerate(PROMPTS):
+        alone = backend.generate(pad_prompts([prompt], "right"), greedy=True)
+        n = int(alone["unpadded_sequence_lengths"][0])
+        assert torch.equal(together["output_ids"][i, :n], alone["output_ids"][0, :n])
+        assert torch.equal(together["logprobs"][i, :n], alone["logprobs"][0, :n])

@@ -91,6 +91,12 @@ class VllmGeneration(GenerationBackend):
             raise BackendUnavailableError(
                 "tensor_parallel_size > 1 needs GPUs; on CPU run more replicas instead"
             )
+        if config.get("batch_invariant", False) and not cluster.use_gpus:
+            raise BackendUnavailableError(
+                "batch_invariant is true but vLLM's batch-invariant mode needs CUDA: on its "
+                "CPU build VLLM_BATCH_INVARIANT overrides no kernel (they need Triton). Use "
+                "backend 'hf' for batch-invariant rollouts on the CPU"
+            )
         cluster.engine_groups(tp)  # refuses layouts where an engine would span nodes
         engine_args = engine_args_for(config, use_gpus=cluster.use_gpus)
         self._sleeps = bool(engine_args["enable_sleep_mode"])
@@ -107,6 +113,7 @@ class VllmGeneration(GenerationBackend):
                 control_s=cfg["control_timeout_s"],
             ),
             engine_factory=engine_factory,
+            env={"VLLM_BATCH_INVARIANT": "1"} if config.get("batch_invariant", False) else {},
         )
         first = self.replicas.infos[0]
         self._loop = BackgroundLoop()
@@ -176,6 +183,10 @@ class VllmGeneration(GenerationBackend):
             )
         if not self.has_tokenizer:
             notes.append("no tokenizer loaded: stop strings are refused")
+        if not on_gpu:
+            notes.append(
+                "batch_invariant is refused: vLLM's batch-invariant kernels need CUDA (Triton)"
+            )
         return BackendCapabilities(
             sleep=self._sleeps,
             async_generation=True,
@@ -192,6 +203,7 @@ class VllmGeneration(GenerationBackend):
             # fill is a device copy that overlaps the load.
             refit_bucket_bytes=(64 if on_gpu else 128) * 2**20,
             refit_buffers=2 if on_gpu else 1,
+            batch_invariant=on_gpu,
             notes=tuple(notes),
         )
 

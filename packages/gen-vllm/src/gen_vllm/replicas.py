@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -71,8 +71,11 @@ class ReplicaSet:
         name_prefix: str,
         timeouts: Timeouts,
         engine_factory: EngineFactory | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> ReplicaSet:
         """Start one actor per engine group of the cluster and wait until every engine is up.
+
+        ``env``: environment variables each worker sets before it imports vLLM.
 
         Raises:
             BackendUnavailableError: the layout does not split into engines, an actor name is
@@ -94,6 +97,7 @@ class ReplicaSet:
                         name=f"{name_prefix}-{index}-{id(cluster):x}",
                         args=(model, engine_args),
                         engine_factory=engine_factory,
+                        env=env or {},
                     )
                 )
             logger.info("starting %d vLLM engine(s) for %s", len(groups), model)
@@ -300,10 +304,11 @@ def _start_actor(
     name: str,
     args: tuple[str, dict[str, Any]],
     engine_factory: EngineFactory | None,
+    env: Mapping[str, str],
 ) -> Any:
     """Create one worker actor in the first bundle of ``group`` (its engine's bundles)."""
     bundle = group[0]
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if cluster.use_gpus and len(group) > 1:
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b.bundle_index) for b in group)
     try:
