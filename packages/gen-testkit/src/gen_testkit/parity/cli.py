@@ -2,6 +2,11 @@
 
     uv run gen-parity                       # a tiny random model, every installed backend
     uv run gen-parity --model DIR --backends hf,vllm --dtype bfloat16 --json parity.json
+    uv run gen-parity --batch-invariant     # backends that offer it run batch-invariant
+
+The "exact" column is each backend's share of greedy logprobs equal, bit for bit, to the
+trainer-side exact forward (``gen_interface.exact.sequence_logprobs``); ``*`` marks a backend
+running with ``batch_invariant: true``, which fails unless its share is 1.
 
 Exits 0 when every pair passes its tolerances, 1 when one does not, 2 on a usage error.
 """
@@ -14,7 +19,14 @@ import sys
 import time
 from typing import Any
 
-from gen_interface import available_backends, configure_generation_config, create_generation_backend
+from gen_interface import (
+    BackendUnavailableError,
+    GenerationConfigError,
+    GenerationInterface,
+    available_backends,
+    configure_generation_config,
+    create_generation_backend,
+)
 
 from gen_testkit.parity.oracle import HfLogitsOracle
 from gen_testkit.parity.report import format_table
@@ -37,7 +49,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--samples", type=int, default=600, help="samples per sampling prefix")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON here")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="start each backend with batch_invariant: true where it offers it (others as usual)",
+    )
     return parser
+
+
+def _start(
+    name: str, settings: dict[str, Any], tokenizer: Any, batch_invariant: bool, progress: Any
+) -> GenerationInterface:
+    """The backend ``name``; with ``batch_invariant``, in that mode if it accepts it."""
+    if batch_invariant:
+        try:
+            config = configure_generation_config({**settings, "batch_invariant": True}, tokenizer)
+            return create_generation_backend(config)
+        except (GenerationConfigError, BackendUnavailableError) as exc:
+            progress(f"{name} runs without batch_invariant: {exc}")
+    return create_generation_backend(configure_generation_config(settings, tokenizer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             progress(f"starting backend {name} ({args.dtype})")
-            config = configure_generation_config(
-                {"backend": name, "model_name": args.model, "dtype": args.dtype, **PARITY_SETTINGS},
-                tokenizer,
-            )
-            backends.append(TimedBackend(name, create_generation_backend(config)))
+            settings = {
+                "backend": name,
+                "model_name": args.model,
+                "dtype": args.dtype,
+                **PARITY_SETTINGS,
+            }
+            backend = _start(name, settings, tokenizer, args.batch_invariant, progress)
+            backends.append(TimedBackend(name, backend))
         progress(f"loading the exact logits (a transformers forward pass, {args.dtype})")
         oracle = HfLogitsOracle(args.model, args.dtype)
         batches = parity_batches(vocab_size)

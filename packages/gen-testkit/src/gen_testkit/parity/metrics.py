@@ -13,12 +13,14 @@ from gen_interface import BatchedDataDict, GenerationInterface
 from gen_testkit.compare import generated_rows
 
 __all__ = [
+    "ExactAgreement",
     "GreedyAgreement",
     "LogprobError",
     "SamplingFit",
     "TopKAgreement",
     "chi_square_fit",
     "chosen_matches_top_k",
+    "exact_agreement",
     "greedy_agreement",
     "logprob_error",
     "score_outputs",
@@ -97,6 +99,23 @@ class LogprobError:
             "mean_abs": self.mean_abs,
             "mean_exp_abs": self.mean_exp_abs,
         }
+
+
+@dataclass
+class ExactAgreement:
+    """How many generated tokens' reported logprobs equal the trainer's exact forward bitwise
+    (``gen_interface.exact.sequence_logprobs``): 1.0 for a backend in batch-invariant mode."""
+
+    equal: int = 0
+    total: int = 0
+
+    @property
+    def fraction(self) -> float:
+        return self.equal / self.total if self.total else math.nan
+
+    def add(self, other: ExactAgreement) -> None:
+        self.equal += other.equal
+        self.total += other.total
 
 
 @dataclass
@@ -339,3 +358,17 @@ def chi_square_fit(
     statistic, p_value = stats.chisquare(observed_bins, expected_bins)
     dof = len(expected_bins) - 1
     return SamplingFit(len(tokens), float(statistic), dof, float(p_value), outside, total_variation)
+
+
+def exact_agreement(
+    output: Mapping[str, Any], prompt_lengths: Sequence[int], exact: Sequence[torch.Tensor]
+) -> ExactAgreement:
+    """Compare an output's reported raw logprobs with ``exact[i]`` ``[T_i]``, the trainer-side
+    exact logprobs of row i's whole sequence, at the generated positions."""
+    agreement = ExactAgreement()
+    for i, start in enumerate(prompt_lengths):
+        end = int(output["unpadded_sequence_lengths"][i])
+        reported = output["logprobs"][i, start:end]
+        agreement.equal += int((reported == exact[i][start:end]).sum())
+        agreement.total += end - start
+    return agreement

@@ -44,6 +44,21 @@ class HfLogitsOracle:
     def sequence_logits(self, sequence: Sequence[int]) -> torch.Tensor:
         return self.model(torch.tensor([list(sequence)])).logits[0].float()
 
+    @torch.inference_mode()
+    def exact_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The trainer-side exact logprobs ``[T_i]`` of each sequence (``sequence_logprobs``,
+        batch-invariant kernels), in one right-padded batch."""
+        from gen_interface.exact import sequence_logprobs
+
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), width, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, sequence in enumerate(sequences):
+            ids[i, : len(sequence)] = torch.tensor(list(sequence))
+            mask[i, : len(sequence)] = 1
+        logprobs = sequence_logprobs(self.model, ids, mask)
+        return [logprobs[i, : len(s)] for i, s in enumerate(sequences)]
+
 
 class NgramLogitsOracle:
     """The n-gram backend's model, read directly."""

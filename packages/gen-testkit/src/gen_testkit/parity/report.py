@@ -17,6 +17,7 @@ _COLUMNS = (
     "top-5 same / edge tie / differ, max|d|, chosen off",
     "processed max|d| (ref, cand)",
     "sampling p-values (ref; cand)",
+    "exact (ref, cand)",
     "tok/s (ref, cand)",
     "result",
 )
@@ -40,8 +41,17 @@ def format_table(reports: Sequence[PairReport]) -> str:
             "; ".join(
                 " ".join(f"{fit.p_value:.3f}" for fit in r.sampling.get(n, [])) for n in names
             ),
+            ", ".join(_exact_cell(r, n) for n in names),
             ", ".join(f"{r.tokens_per_s.get(n, 0):.0f}" for n in names),
             "PASS" if r.ok else "FAIL",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _exact_cell(report: PairReport, name: str) -> str:
+    """The share of greedy logprobs equal to the exact forward, ``*`` if batch-invariant."""
+    agreement = report.exact.get(name)
+    if agreement is None or not agreement.total:
+        return "n/a"
+    return f"{agreement.fraction:.3f}" + ("*" if name in report.batch_invariant else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -12,12 +12,14 @@ from gen_interface import BatchedDataDict, GenerationInterface, sampling_setting
 from gen_interface.sampling import processed_log_probs
 
 from gen_testkit.parity.metrics import (
+    ExactAgreement,
     GreedyAgreement,
     LogprobError,
     SamplingFit,
     TopKAgreement,
     chi_square_fit,
     chosen_matches_top_k,
+    exact_agreement,
     greedy_agreement,
     logprob_error,
     score_outputs,
@@ -86,6 +88,11 @@ class PairReport:
     processed_outside_support: dict[str, int] = field(default_factory=dict)
     sampling: dict[str, list[SamplingFit]] = field(default_factory=dict)
     tokens_per_s: dict[str, float] = field(default_factory=dict)
+    #: per backend: its greedy logprobs against the trainer-side exact forward (empty when the
+    #: oracle has no transformers model)
+    exact: dict[str, ExactAgreement] = field(default_factory=dict)
+    #: backends that run with ``batch_invariant: true``: anything short of 1.0 fails them
+    batch_invariant: set[str] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -135,6 +142,13 @@ class PairReport:
                     f"{name}: sampled {outside} of {error.count + outside} tokens outside the "
                     f"exact distribution's support (allowed: {t.support_slack:.0%})"
                 )
+        for name in sorted(self.batch_invariant):
+            agreement = self.exact.get(name)
+            if agreement is not None and agreement.equal != agreement.total:
+                self.failures.append(
+                    f"{name}: batch_invariant is on but {agreement.total - agreement.equal} of "
+                    f"{agreement.total} generated logprobs differ from the exact forward"
+                )
         for name, fits in self.sampling.items():
             for k, fit in enumerate(fits):
                 if fit.p_value < SIGNIFICANCE:
@@ -178,6 +192,8 @@ class PairReport:
             "processed_outside_support": self.processed_outside_support,
             "sampling": {k: [f.as_dict() for f in v] for k, v in self.sampling.items()},
             "tokens_per_s": self.tokens_per_s,
+            "exact": {k: asdict(v) | {"fraction": v.fraction} for k, v in self.exact.items()},
+            "batch_invariant": sorted(self.batch_invariant),
         }
 
 
@@ -221,6 +237,9 @@ def run_pair(
     """Compare ``candidate`` with ``reference``: greedy agreement, teacher-forced logprobs on
     each other's outputs, processed logprobs and sampled first tokens against ``oracle``."""
     report = PairReport(reference.name, candidate.name, dtype, tolerance)
+    report.batch_invariant = {
+        b.name for b in (reference, candidate) if b.backend.config.get("batch_invariant")
+    }
     for index, batch in enumerate(batches, 1):
         progress(f"batch {index}/{len(batches)}: {len(batch.prompts)} rows")
         compare_batch(report, reference, candidate, batch, oracle)
@@ -257,6 +276,16 @@ def compare_batch(
     if broken:
         report.failures.extend(broken)
         return
+    exact = getattr(oracle, "exact_logprobs", None)
+    if exact is not None:
+        for timed, output in zip(pair, greedy):
+            sequences = [
+                output["output_ids"][i, : int(end)].tolist()
+                for i, end in enumerate(output["unpadded_sequence_lengths"])
+            ]
+            report.exact.setdefault(timed.name, ExactAgreement()).add(
+                exact_agreement(output, batch.prompt_lengths, exact(sequences))
+            )
     report.greedy.add(
         greedy_agreement(
             reference.backend,
