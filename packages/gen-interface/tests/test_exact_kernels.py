@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gen_interface.exact import (
+    ATTENTION_NAME,
     MIN_ROWS,
     batch_invariance_problems,
     batch_invariant,
     invariant_attention,
     invariant_linear,
+    make_batch_invariant,
     sequence_logprobs,
 )
 from hypothesis import given, settings
@@ -169,3 +171,34 @@ def test_sequence_logprobs_are_zero_off_the_scored_positions_and_carry_gradients
     )
     assert torch.equal(flipped[0, 1:3], logprobs[0, 3:5].detach())
     assert torch.equal(flipped[1, 2:4], logprobs[1, 1:3].detach())
+
+
+def test_long_inputs_run_in_query_chunks_with_the_same_bits(monkeypatch):
+    import gen_interface.exact.kernels as kernels
+
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 70, 32, generator=generator) for _ in range(3))
+    attends = _causal_attends([70, 41], 70, left=False)
+    whole = invariant_attention(q, k[:, :2], v[:, :2], attends, scaling=0.2)
+    monkeypatch.setattr(kernels, "_MAX_SCORES", 2 * 4 * 128 * 9)  # chunks of 9 queries
+    assert torch.equal(invariant_attention(q, k[:, :2], v[:, :2], attends, scaling=0.2), whole)
+
+
+def test_sliding_window_models_are_refused_by_name():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"sliding_attention.*full attention only"):
+        make_batch_invariant(model)
+    assert model.config._attn_implementation != ATTENTION_NAME

@@ -190,6 +190,7 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "dtype": st.sampled_from(["auto", "float32", "bfloat16", "float16"]),
             "colocated": st.fixed_dictionaries({"enabled": st.booleans()}),
             "max_weight_staleness": st.none() | st.integers(0, 10**6),
+            "batch_invariant": st.booleans(),
         },
         "colocated": {"enabled": st.booleans()},
     }

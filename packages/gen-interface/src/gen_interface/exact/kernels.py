@@ -32,6 +32,8 @@ __all__ = ["MIN_ROWS", "SLOT_BLOCK", "invariant_attention", "invariant_linear"]
 MIN_ROWS = 16
 #: Keys are reduced in blocks of this many slots, added one block after another.
 SLOT_BLOCK = 64
+#: Most attention scores held at once (float32: 256 MiB); longer inputs run in query chunks.
+_MAX_SCORES = 2**26
 
 
 def invariant_linear(
@@ -69,7 +71,9 @@ def invariant_attention(
     """Softmax attention whose result for a query depends only on the keys it attends to.
 
     Keys are taken in their order along the key axis (a cache's or a sequence's order); keys no
-    query of a row attends to (padding) are dropped before the reduction.
+    query of a row attends to (padding) are dropped before the reduction, so key j of a row's
+    sequence lands in slot j. That holds for full (causal or bidirectional) attention over
+    padded rows; a sliding window would hide keys that are not padding, so it is not supported.
 
     Args:
         query: ``[B, H, Q, D]``.
@@ -83,9 +87,8 @@ def invariant_attention(
         ``[B, Q, H, D]`` in ``query``'s dtype (transformers' layout for attention outputs); a
         query that attends to no key gets zeros.
     """
-    batch, heads, queries, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    group = heads // kv_heads
+    batch, heads, queries, _ = query.shape
+    length = key.shape[2]
     if attends is None:
         attends = (
             torch.ones(queries, length, dtype=torch.bool, device=query.device)
@@ -94,7 +97,9 @@ def invariant_attention(
         )
     attends = attends.expand(batch, 1, queries, length)
 
-    # Slots: each row's keys in order, padding (keys no query attends to) removed.
+    # Slots: each row's keys in order, padding (keys no query attends to) removed. Slots past a
+    # row's count point at its last real key (finite values, never attended), slots past the
+    # input's length hold zeros.
     real = attends[:, 0].any(dim=1)  # [B, T]
     order = torch.argsort((~real).to(torch.int8), dim=-1, stable=True)  # real keys first
     counts = real.sum(dim=-1)  # [B]
@@ -102,16 +107,49 @@ def invariant_attention(
     taken = min(slots, length)
     order = order[:, :taken]
     in_use = torch.arange(taken, device=query.device)[None] < counts[:, None]  # [B, S']
-    keys = _gather_slots(key, order, in_use, slots)  # [B, Hkv, S, D] float32
-    values = _gather_slots(value, order, in_use, slots)
+    last = order.gather(1, (counts - 1).clamp(min=0)[:, None])
+    order = torch.where(in_use, order, last)
+    keys = _slotted(key, order, slots)  # [B, Hkv, S, D] float32
+    values = _slotted(value, order, slots, ones_column=True)  # [B, Hkv, S, D + 1]
     allowed = attends[:, 0].gather(-1, order[:, None, :].expand(batch, queries, taken))
     allowed = F.pad(allowed & in_use[:, None, :], (0, slots - taken))  # [B, Q, S]
 
-    # Queries of one kv head together: [B * Hkv, G * Q, D], at least MIN_ROWS rows.
+    # Queries of one kv head together, [B * Hkv, G * Q, D], in chunks of queries that keep the
+    # scores under _MAX_SCORES elements (each query's result does not depend on its chunk).
+    chunk = max(1, _MAX_SCORES // max(1, batch * heads * slots))
+    parts = [
+        _attend(
+            query[:, :, start : start + chunk],
+            keys,
+            values,
+            allowed[:, start : start + chunk],
+            scaling=scaling,
+            softcap=softcap,
+        )
+        for start in range(0, queries, chunk)
+    ]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [B, H, Q, D]
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[B, H, Q, D]`` over slotted float32 ``keys`` ``[B, Hkv, S, D]``
+    and ``values`` ``[B, Hkv, S, D + 1]`` (a last column of ones) where ``allowed`` bool
+    ``[B, Q, S]``: float32 ``[B, H, Q, D]``."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
     rows = group * queries
-    q = query.float().reshape(batch * kv_heads, rows, dim)
     padded_rows = max(rows, MIN_ROWS)
-    q = F.pad(q, (0, 0, 0, padded_rows - rows))
+    q = F.pad(query.float().reshape(batch * kv_heads, rows, dim), (0, 0, 0, padded_rows - rows))
     scores = torch.bmm(q, keys.reshape(batch * kv_heads, slots, dim).transpose(1, 2))
     scores = scores[:, :rows].reshape(batch, kv_heads, group, queries, slots) * scaling
     if softcap is not None:
@@ -119,34 +157,35 @@ def invariant_attention(
     mask = allowed[:, None, None]  # [B, 1, 1, Q, S]
     scores = scores.masked_fill(~mask, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-    weights = torch.exp(scores - top).masked_fill(~mask, 0.0)  # [B, Hkv, G, Q, S]
+    weights = torch.exp(scores - top)  # [B, Hkv, G, Q, S]; exactly 0 where not allowed
 
-    # Values and the softmax denominator (a column of ones) summed block by block, in order.
+    # Values and the softmax denominator (the column of ones) summed block by block, in order.
     blocks = slots // SLOT_BLOCK
-    ones = values.new_ones(batch, kv_heads, slots, 1)
-    augmented = torch.cat([values, ones], dim=-1)  # [B, Hkv, S, D + 1]
     w = weights.reshape(batch * kv_heads, rows, blocks, SLOT_BLOCK)
     w = F.pad(w, (0, 0, 0, 0, 0, padded_rows - rows)).transpose(1, 2)
     w = w.reshape(batch * kv_heads * blocks, padded_rows, SLOT_BLOCK)
-    v = augmented.reshape(batch * kv_heads * blocks, SLOT_BLOCK, dim + 1)
-    parts = torch.bmm(w, v).reshape(batch * kv_heads, blocks, padded_rows, dim + 1)
-    total = parts[:, 0]
+    v = values.reshape(batch * kv_heads * blocks, SLOT_BLOCK, dim + 1)
+    sums = torch.bmm(w, v).reshape(batch * kv_heads, blocks, padded_rows, dim + 1)
+    total = sums[:, 0]
     for b in range(1, blocks):
-        total = total + parts[:, b]
+        total = total + sums[:, b]
     total = total[:, :rows]
     denominator = total[..., dim:]
     out = torch.where(denominator > 0, total[..., :dim] / denominator, 0.0)
-    out = out.reshape(batch, heads, queries, dim).transpose(1, 2)
-    return out.to(query.dtype)
+    return out.reshape(batch, heads, queries, dim)
 
 
-def _gather_slots(
-    states: torch.Tensor, order: torch.Tensor, in_use: torch.Tensor, slots: int
+def _slotted(
+    states: torch.Tensor, order: torch.Tensor, slots: int, *, ones_column: bool = False
 ) -> torch.Tensor:
-    """``states`` ``[B, Hkv, T, D]`` at key indices ``order`` ``[B, S']``, zeros past each
-    row's count, padded to ``slots``: float32 ``[B, Hkv, slots, D]``."""
+    """``states`` ``[B, Hkv, T, D]`` at key indices ``order`` ``[B, S']``, zeros past ``S'``:
+    float32 ``[B, Hkv, slots, D]``, or ``[B, Hkv, slots, D + 1]`` with a last column of ones."""
     batch, kv_heads, _, dim = states.shape
-    index = order[:, None, :, None].expand(batch, kv_heads, order.shape[1], dim)
-    gathered = states.gather(2, index).float()
-    gathered = gathered.masked_fill(~in_use[:, None, :, None], 0.0)
-    return F.pad(gathered, (0, 0, 0, slots - order.shape[1]))
+    taken = order.shape[1]
+    picked = states[torch.arange(batch, device=order.device)[:, None], :, order]  # [B, S', Hkv, D]
+    out = states.new_empty((batch, kv_heads, slots, dim + int(ones_column)), dtype=torch.float32)
+    out[:, :, :taken, :dim] = picked.transpose(1, 2)
+    out[:, :, taken:, :dim] = 0.0
+    if ones_column:
+        out[..., dim] = 1.0
+    return out

@@ -68,6 +68,12 @@ def make_batch_invariant(model: torch.nn.Module) -> None:
             f"{type(model).__name__} is not a transformers PreTrainedModel: batch-invariant "
             "mode needs transformers' attention interface"
         )
+    windowed = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if windowed:
+        raise ValueError(
+            f"{type(model).__name__} has {windowed} layers: batch-invariant attention supports "
+            "full attention only"
+        )
     saved = config._attn_implementation
     try:
         model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
@@ -114,6 +120,8 @@ def _attention(
         raise NotImplementedError(
             "batch-invariant attention does not support attention sinks (s_aux)"
         )
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("batch-invariant attention does not support sliding windows")
     if dropout:
         raise NotImplementedError("batch-invariant attention runs without dropout (eval mode)")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
