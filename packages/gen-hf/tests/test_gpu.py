@@ -114,3 +114,11 @@ def test_update_while_offloaded_lands_on_the_gpu_after_prepare(
     backend.prepare_for_generation()
     assert not torch.equal(greedy(backend)["logprobs"], before["logprobs"])
     backend.shutdown()
+
+
+def test_batch_invariant_is_refused_on_cuda_before_the_model_loads(make_config, tiny_qwen2):
+    from gen_interface import GenerationConfigError
+
+    config = make_config(tiny_qwen2, batch_invariant=True, hf_cfg={"device": "cuda"})
+    with pytest.raises(GenerationConfigError, match="verified on the CPU only"):
+        HfGeneration(config)
