@@ -6,6 +6,9 @@ starts one, through to the engine arguments (``engine_args_for``), where effects
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -363,3 +366,31 @@ def test_nemo_rl_s_basic_vllm_test_config_is_accepted_but_a_string_for_a_bool():
     assert args["dtype"] == "bfloat16" and args["enforce_eager"] is False
     assert args["load_format"] == "auto" and not args["skip_tokenizer_init"]
     assert config["tokenizer"] == {"name": "/models/qwen"}  # the training loop's, kept as given
+
+
+def _nemo_rl_example_values() -> list[tuple[str, Any]]:
+    """(dotted key, value) for every key and value NeMo RL's example configs put in a vLLM
+    ``generation`` section (``data/nemo_rl_generation_keys.json`` says how it was gathered)."""
+    path = Path(__file__).parent / "data" / "nemo_rl_generation_keys.json"
+    catalogue = json.loads(path.read_text())["values"]
+    return [(key, value) for key, values in catalogue.items() for value in values]
+
+
+@pytest.mark.parametrize(("key", "value"), _nemo_rl_example_values())
+def test_every_key_of_nemo_rl_s_example_configs_is_honoured_or_refused_with_its_reason(key, value):
+    """Each key and value, set in NeMo RL's own grpo_math_1B section, either builds engine
+    arguments or is refused by a message that names the key and says why: never as unknown."""
+    config = copy.deepcopy(NEMO_RL_GRPO_MATH_1B)
+    *levels, name = key.split(".")
+    level = config
+    for part in levels:
+        level = level.setdefault(part, {})
+    level[name] = value
+    tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 2})()
+    try:
+        configured = configure_generation_config(config, tokenizer)
+        engine_args_for(complete_vllm_config(configured), use_gpus=True)
+    except GenerationConfigError as exc:
+        message = str(exc)
+        assert not message.startswith("unknown key"), message
+        assert f"`{key}`" in message or name in message, message

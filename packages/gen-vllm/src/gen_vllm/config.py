@@ -167,6 +167,16 @@ VLLM_FOREIGN_KEYS: ForeignKeys = {
             "expert parallelism is not supported: MoE models run tensor parallel "
             "(tensor_parallel_size)"
         ),
+        "enable_expert_parallel": falsy(
+            "expert parallelism is not supported: MoE models run tensor parallel "
+            "(tensor_parallel_size)"
+        ),
+        "distributed_executor_backend": falsy(
+            "each engine runs in a Ray actor the backend places; the executor inside it is the "
+            "backend's choice"
+        ),
+        "quantization_ignored_layer_kws": falsy("applies to fp8 precision only, which is refused"),
+        "limit_mm_per_prompt": falsy("multimodal models are not supported"),
         "cap_max_tokens_to_context": ForeignKey(
             "accepted either way: a row always stops at the context limit, marked truncated"
         ),
@@ -184,8 +194,8 @@ VLLM_FOREIGN_KEYS: ForeignKeys = {
         ),
         **{
             key: falsy(
-                "the OpenAI-style HTTP server is not part of this project: a training loop "
-                "calls generate / generate_async"
+                "the backend starts no HTTP server of its own: serve it with gen-serve "
+                "(`gen-serve --backend vllm`), which speaks vLLM's HTTP protocol"
             )
             for key in (
                 "expose_http_server",
