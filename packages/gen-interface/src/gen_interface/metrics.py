@@ -24,7 +24,10 @@ name                                      meaning
 ``rows_waited_stale_total``               rows that waited for an update to start under it
 ``refits_total``                          committed weight updates
 ``refit_seconds_mean``, ``..._max``       from ``start_weight_update`` to the commit
-``refit_load_seconds_total``              time inside loads (the part after them is commit)
+``refit_{phase}_seconds_total``           the committed updates' time per phase: ``begin``
+                                          (pausing the engines), ``load`` (inside loads),
+                                          ``commit`` (verifying and resuming); what is left
+                                          of ``refit_seconds`` is the trainer's own time
 ``refit_bytes_total``                     bytes of the weights the committed updates carried
 ========================================  ===============================================
 
@@ -42,7 +45,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from gen_interface.outputs import RowResult
 
-__all__ = ["CallCount", "GenerationMetrics"]
+__all__ = ["REFIT_PHASES", "CallCount", "GenerationMetrics"]
+
+#: The phases of a weight update timed separately (as vLLM's RL routes report theirs).
+REFIT_PHASES = ("begin", "load", "commit")
 
 #: Most recent samples kept for the p99s (a ring: old samples drop off).
 _SAMPLES = 4096
@@ -65,7 +71,7 @@ class GenerationMetrics:
             self._row_seconds: list[float] = []
             self._first_token_seconds: list[float] = []
             self._refit_seconds: list[float] = []
-            self._refit_load_seconds = 0.0
+            self._refit_phase_seconds = dict.fromkeys(REFIT_PHASES, 0.0)
             self._busy_seconds = 0.0
             self._peak = self._running
             if self._busy_since is not None:
@@ -124,11 +130,16 @@ class GenerationMetrics:
         with self._lock:
             self._add("rows_refused_stale_total" if refused else "rows_waited_stale_total", rows)
 
-    def refit_committed(self, seconds: float, load_seconds: float, nbytes: int) -> None:
+    def refit_committed(
+        self, seconds: float, phase_seconds: Mapping[str, float], nbytes: int
+    ) -> None:
+        """An update committed after ``seconds``, ``phase_seconds`` of them in each of
+        ``REFIT_PHASES``, carrying ``nbytes``."""
         with self._lock:
             self._add("refits_total", 1)
             self._add("refit_bytes_total", nbytes)
-            self._refit_load_seconds += load_seconds
+            for phase in REFIT_PHASES:
+                self._refit_phase_seconds[phase] += phase_seconds.get(phase, 0.0)
             _sample(self._refit_seconds, seconds)
 
     def set_weight_version(self, version: int) -> None:
@@ -159,7 +170,8 @@ class GenerationMetrics:
                 )
             }
             out.update({k: v for k, v in counts.items() if k.startswith("tokens_versions_behind")})
-            out["refit_load_seconds_total"] = self._refit_load_seconds
+            for phase, phase_seconds in self._refit_phase_seconds.items():
+                out[f"refit_{phase}_seconds_total"] = phase_seconds
             out["rows_running"] = self._running
             out["rows_running_peak"] = self._peak
             out["weight_version"] = self._weight_version

@@ -104,6 +104,7 @@ class WeightUpdates:
                     "commit_weight_update() or abort_weight_update() first"
                 )
             target = next_version(self.version, version)
+            started = time.perf_counter()
             self.lifecycle.begin_update()
             try:
                 self.steps.begin(target, in_flight)
@@ -113,7 +114,7 @@ class WeightUpdates:
             with self._changed:
                 self._open = WeightTransaction(self.model, self.optional, target)
                 self.announced = max(self.announced, target)
-            self._timing = _UpdateTiming()
+            self._timing = _UpdateTiming(started, begin_seconds=time.perf_counter() - started)
             return target
 
     def load(self, handles: Mapping[str, Any]) -> None:
@@ -153,18 +154,26 @@ class WeightUpdates:
             except WeightUpdateError:
                 self.abort()
                 raise
+            committing = time.perf_counter()
             try:
                 self.steps.commit(txn.version)
             except BaseException:
                 self._drop(txn, why="verifying it failed")
                 raise
+            commit_seconds = time.perf_counter() - committing
             with self._changed:
                 self.version = txn.version
                 self._open = None
                 self._changed.notify_all()
             timing = self._timing
             self.metrics.refit_committed(
-                time.perf_counter() - timing.started, timing.load_seconds, timing.nbytes
+                time.perf_counter() - timing.started,
+                {
+                    "begin": timing.begin_seconds,
+                    "load": timing.load_seconds,
+                    "commit": commit_seconds,
+                },
+                timing.nbytes,
             )
             self.metrics.set_weight_version(txn.version)
             self.lifecycle.weights_arrived()
@@ -276,8 +285,9 @@ class WeightUpdates:
 
 @dataclass
 class _UpdateTiming:
-    """How long the open update has run, how long its loads took, and what they carried."""
+    """When the open update started, how long its begin and loads took, what they carried."""
 
     started: float = field(default_factory=time.perf_counter)
+    begin_seconds: float = 0.0
     load_seconds: float = 0.0
     nbytes: int = 0

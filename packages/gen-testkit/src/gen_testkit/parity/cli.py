@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 **PARITY_SETTINGS,
             }
             backend = _start(name, settings, tokenizer, args.batch_invariant, progress)
+            backend.clear_logger_metrics()  # tok/s: the run's own, from the backend's metrics
             backends.append(TimedBackend(name, backend))
         progress(f"loading the exact logits (a transformers forward pass, {args.dtype})")
         oracle = HfLogitsOracle(args.model, args.dtype)
