@@ -201,11 +201,13 @@ def bench_startups(model: str, args: argparse.Namespace) -> dict[str, float]:
         return {}
     kv = str(args.kv_gib)
     runs = range(args.startups)
+    bare, starting = [], []
+    for _ in runs:  # alternating, so that drifting load falls on both alike
+        bare.append(startup_seconds(_BARE_START, model, kv))
+        starting.append(startup_seconds(_OURS_START, model, kv, "start"))
     out = {
-        "bare vllm.LLM": statistics.median(startup_seconds(_BARE_START, model, kv) for _ in runs),
-        "VllmGeneration, starting Ray": statistics.median(
-            startup_seconds(_OURS_START, model, kv, "start") for _ in runs
-        ),
+        "bare vllm.LLM": statistics.median(bare),
+        "VllmGeneration, starting Ray": statistics.median(starting),
     }
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
