@@ -76,7 +76,8 @@ def test_batch_invariant_is_refused_on_cpu_before_any_engine_starts(ray_session)
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
     config = dict(BASE, batch_invariant=True, model_name="never-loaded")
+    before = set(ray_session.util.list_named_actors())  # other tests' shared engines
     with RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1) as cluster:
         with pytest.raises(BackendUnavailableError, match=r"needs CUDA.*backend 'hf'"):
             VllmGeneration(cluster, config)
-        assert not ray_session.util.list_named_actors()  # nothing was started
+        assert set(ray_session.util.list_named_actors()) == before  # nothing was started

@@ -42,7 +42,8 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         ``model`` itself.
 
     Raises:
-        ValueError: the model cannot take a registered attention function.
+        ValueError: the model is not a transformers model, has sliding-window layers, or
+            cannot take a registered attention function.
     """
     was_invariant = hasattr(model, _SAVED)
     make_batch_invariant(model)
@@ -57,7 +58,8 @@ def make_batch_invariant(model: torch.nn.Module) -> None:
     """Switch ``model`` to the batch-invariant kernels until ``restore_model``.
 
     Raises:
-        ValueError: the model cannot take a registered attention function.
+        ValueError: the model is not a transformers model, has sliding-window layers, or
+            cannot take a registered attention function.
     """
     if hasattr(model, _SAVED):
         return
