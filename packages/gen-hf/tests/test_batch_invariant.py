@@ -59,6 +59,24 @@ class TestLlamaFloat32(BatchInvarianceProperties):
         subject.backend.shutdown()
 
 
+class TestLlamaBfloat16(TestLlamaFloat32):
+    dtype = "bfloat16"
+
+
+class TestTiedEmbeddingsFloat32(BatchInvarianceProperties):
+    """lm_head tied to the embeddings: the head's one matrix runs through the exact linear."""
+
+    claims_score = True
+    dtype = "float32"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, tiny_qwen2_tied: TinyModel) -> Iterator[ConformanceSubject]:
+        subject = invariant_subject(tiny_qwen2_tied, cls.dtype)
+        yield subject
+        subject.backend.shutdown()
+
+
 def test_without_the_setting_the_model_keeps_its_own_kernels_and_differs_from_exact(
     make_config, tiny_qwen2
 ):
