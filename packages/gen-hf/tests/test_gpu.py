@@ -117,8 +117,8 @@ def test_update_while_offloaded_lands_on_the_gpu_after_prepare(
 
 
 def test_batch_invariant_is_refused_on_cuda_before_the_model_loads(make_config, tiny_qwen2):
-    from gen_interface import GenerationConfigError
+    from gen_interface import BackendUnavailableError
 
     config = make_config(tiny_qwen2, batch_invariant=True, hf_cfg={"device": "cuda"})
-    with pytest.raises(GenerationConfigError, match="verified on the CPU only"):
+    with pytest.raises(BackendUnavailableError, match="verified on the CPU only"):
         HfGeneration(config)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from gen_interface import (
     BackendCapabilities,
+    BackendUnavailableError,
     GenerationCall,
     GenerationConfigError,
     GenerationError,
@@ -73,7 +74,9 @@ class HfGeneration(InProcessBackend):
         Raises:
             GenerationConfigError: a field is out of range, the model does not load, or
                 ``stop_strings`` are set and no tokenizer loads from ``model_name``.
-            BackendUnavailableError: ``hf_cfg.device`` names a CUDA device that is not present.
+            BackendUnavailableError: ``hf_cfg.device`` names a CUDA device that is not present;
+                ``batch_invariant`` is set and the device is not the CPU, or this machine's
+                kernels do not keep the promise for the model (``gen_hf.exact``).
         """
         config = self.complete_config(config)
         hf_cfg = config["hf_cfg"]
@@ -87,7 +90,7 @@ class HfGeneration(InProcessBackend):
                 "model directory with a tokenizer"
             )
         if config.get("batch_invariant", False) and self._device.type != "cpu":
-            raise GenerationConfigError(
+            raise BackendUnavailableError(
                 "batch_invariant is true but gen-hf's batch-invariant kernels are verified on "
                 f"the CPU only, and hf_cfg.device resolves to {self._device}; set "
                 "hf_cfg.device to 'cpu', or use backend 'vllm' on CUDA"
