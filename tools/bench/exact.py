@@ -4,7 +4,7 @@ In one process, on the same random-weight model and random prompts:
 
 - generation: ``HfGeneration`` with and without ``batch_invariant``, greedy, no stop token,
   exactly ``--new-tokens`` tokens per row (target: the invariant one at most 3x slower);
-- the trainer's forward: ``gen_interface.exact.sequence_logprobs`` against the model's own
+- the trainer's forward: ``gen_hf.exact.sequence_logprobs`` against the model's own
   forward plus ``log_softmax`` on the generated sequences (no gradients).
 
 Runs alternate so that load from other processes falls on all alike. Reported: seconds of the
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 from gen_hf import HfGeneration
+from gen_hf.exact import sequence_logprobs
 from gen_interface import BatchedDataDict
-from gen_interface.exact import sequence_logprobs
 from gen_testkit.models import PRESETS, build_tiny_model
 from transformers import AutoModelForCausalLM
 

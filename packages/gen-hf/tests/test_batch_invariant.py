@@ -4,13 +4,13 @@ and what the setting changes and refuses."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
+from typing import ClassVar, cast
 
 import pytest
 import torch
 from gen_hf import HfConfig, HfGeneration
+from gen_hf.exact import ATTENTION_NAME
 from gen_interface import GenerationConfigError
-from gen_interface.exact import ATTENTION_NAME
 from gen_testkit.conformance import ConformanceSubject, conformance_config
 from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
@@ -32,13 +32,16 @@ def invariant_subject(model: TinyModel, dtype: str) -> ConformanceSubject:
 
 
 class TestQwen2Float32(BatchInvarianceProperties):
+    """The properties on one of the testkit's models (the fixture named ``model``)."""
+
     claims_score = True
     dtype = "float32"
+    model: ClassVar[str] = "tiny_qwen2"
 
     @pytest.fixture(scope="class")
     @classmethod
-    def subject(cls, tiny_qwen2: TinyModel) -> Iterator[ConformanceSubject]:
-        subject = invariant_subject(tiny_qwen2, cls.dtype)
+    def subject(cls, request: pytest.FixtureRequest) -> Iterator[ConformanceSubject]:
+        subject = invariant_subject(request.getfixturevalue(cls.model), cls.dtype)
         yield subject
         subject.backend.shutdown()
 
@@ -47,34 +50,18 @@ class TestQwen2Bfloat16(TestQwen2Float32):
     dtype = "bfloat16"
 
 
-class TestLlamaFloat32(BatchInvarianceProperties):
-    claims_score = True
-    dtype = "float32"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def subject(cls, tiny_llama: TinyModel) -> Iterator[ConformanceSubject]:
-        subject = invariant_subject(tiny_llama, cls.dtype)
-        yield subject
-        subject.backend.shutdown()
+class TestLlamaFloat32(TestQwen2Float32):
+    model = "tiny_llama"
 
 
 class TestLlamaBfloat16(TestLlamaFloat32):
     dtype = "bfloat16"
 
 
-class TestTiedEmbeddingsFloat32(BatchInvarianceProperties):
+class TestTiedEmbeddingsFloat32(TestQwen2Float32):
     """lm_head tied to the embeddings: the head's one matrix runs through the exact linear."""
 
-    claims_score = True
-    dtype = "float32"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def subject(cls, tiny_qwen2_tied: TinyModel) -> Iterator[ConformanceSubject]:
-        subject = invariant_subject(tiny_qwen2_tied, cls.dtype)
-        yield subject
-        subject.backend.shutdown()
+    model = "tiny_qwen2_tied"
 
 
 def test_without_the_setting_the_model_keeps_its_own_kernels_and_differs_from_exact(

@@ -8,23 +8,13 @@ from typing import cast
 
 import torch
 from gen_hf import HfConfig, HfGeneration
-from gen_interface.exact import sequence_logprobs
+from gen_hf.exact import sequence_logprobs
 from gen_interface.weights import Refitter
 from gen_testkit.strategies import pad_prompts
 from transformers import AutoModelForCausalLM
 
 PROMPTS = [[5, 17, 42, 8], [99], [7, 7, 7, 7, 7, 7], [300, 12], [64, 65, 66], [3, 400]]
 STEPS = 4
-
-
-def _right_padded(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.int64)
-    mask = torch.zeros(len(sequences), width, dtype=torch.int64)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    return ids, mask
 
 
 def test_reinforce_steps_see_rollout_logprobs_equal_to_the_trainers(make_config, tiny_qwen2):
@@ -41,7 +31,8 @@ def test_reinforce_steps_see_rollout_logprobs_equal_to_the_trainers(make_config,
                 out = backend.generate(pad_prompts(PROMPTS * 2, "left"), greedy=False)
                 ends = out["unpadded_sequence_lengths"].tolist()
                 sequences = [out["output_ids"][i, :end].tolist() for i, end in enumerate(ends)]
-                ids, mask = _right_padded(sequences)
+                batch = pad_prompts(sequences, "right")
+                ids, mask = batch["input_ids"], batch["attention_mask"]
                 trainer_logprobs = sequence_logprobs(trainer, ids, mask)  # with gradients
                 generated = torch.zeros_like(mask, dtype=torch.bool)
                 for i, end in enumerate(ends):

@@ -56,7 +56,7 @@ class BackendCapabilities:
         refit_buffers: buckets per place for such a refit: 2 fills one while the backend loads
             the other; 1 when loading needs every core (the fill would only slow it down).
         batch_invariant: ``batch_invariant: true`` is honoured here: every logprob equals, bit
-            for bit, the trainer-side forward of ``gen_interface.exact`` on the same tokens,
+            for bit, the trainer-side ``gen_hf.exact.sequence_logprobs`` of the same tokens,
             whatever the batch. False: the setting is refused (see ``notes`` for why).
         notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """

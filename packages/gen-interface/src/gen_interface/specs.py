@@ -61,8 +61,8 @@ class GenerationConfig(TypedDict, total=False):
     # None (default) or N >= 0: rows start only on weights at most N versions behind the newest
     # announced (GenerationInterface.announce_weight_version); see StaleWeightsError
     max_weight_staleness: int | None
-    # True: every returned logprob equals, bit for bit, what gen_interface.exact's forward of
-    # the same tokens gives (batch-invariant kernels); refused where capabilities say it is not
+    # True: every returned logprob equals, bit for bit, what gen_hf.exact.sequence_logprobs
+    # gives for the same tokens (batch-invariant kernels); refused where capabilities say it is not
     # offered. Default False.
     batch_invariant: bool
 

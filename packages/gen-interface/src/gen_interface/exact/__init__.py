@@ -1,4 +1,8 @@
-"""Batch-invariant ("exact") forward passes: rollout logprobs equal to the trainer's, bitwise."""
+"""Batch-invariant ("exact") kernels: a row's bits never depend on its batch mates.
+
+Plain torch. gen-hf's ``gen_hf.exact`` puts a transformers model on them (and computes the
+trainer's ``sequence_logprobs``); ``batch_invariance_problems`` checks a model on this machine.
+"""
 
 from gen_interface.exact.check import batch_invariance_problems
 from gen_interface.exact.kernels import (
@@ -7,23 +11,11 @@ from gen_interface.exact.kernels import (
     invariant_attention,
     invariant_linear,
 )
-from gen_interface.exact.logprobs import sequence_logprobs
-from gen_interface.exact.transformers_models import (
-    ATTENTION_NAME,
-    batch_invariant,
-    make_batch_invariant,
-    restore_model,
-)
 
 __all__ = [
-    "ATTENTION_NAME",
     "MIN_ROWS",
     "SLOT_BLOCK",
     "batch_invariance_problems",
-    "batch_invariant",
     "invariant_attention",
     "invariant_linear",
-    "make_batch_invariant",
-    "restore_model",
-    "sequence_logprobs",
 ]

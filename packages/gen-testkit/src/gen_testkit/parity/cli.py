@@ -5,7 +5,7 @@
     uv run gen-parity --batch-invariant     # backends that offer it run batch-invariant
 
 The "exact" column is each backend's share of greedy logprobs equal, bit for bit, to the
-trainer-side exact forward (``gen_interface.exact.sequence_logprobs``); ``*`` marks a backend
+trainer-side exact forward (``gen_hf.exact.sequence_logprobs``); ``*`` marks a backend
 running with ``batch_invariant: true``, which fails unless its share is 1.
 
 Exits 0 when every pair passes its tolerances, 1 when one does not, 2 on a usage error.

@@ -104,7 +104,7 @@ class LogprobError:
 @dataclass
 class ExactAgreement:
     """How many generated tokens' reported logprobs equal the trainer's exact forward bitwise
-    (``gen_interface.exact.sequence_logprobs``): 1.0 for a backend in batch-invariant mode."""
+    (``gen_hf.exact.sequence_logprobs``): 1.0 for a backend in batch-invariant mode."""
 
     equal: int = 0
     total: int = 0

@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 from gen_interface.sampling import processed_log_probs
 
+from gen_testkit.strategies import pad_prompts
+
 __all__ = ["HfLogitsOracle", "LogitsOracle", "NgramLogitsOracle", "processed_distribution"]
 
 
@@ -48,15 +50,10 @@ class HfLogitsOracle:
     def exact_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The trainer-side exact logprobs ``[T_i]`` of each sequence (``sequence_logprobs``,
         batch-invariant kernels), in one right-padded batch."""
-        from gen_interface.exact import sequence_logprobs
+        from gen_hf.exact import sequence_logprobs
 
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.int64)
-        mask = torch.zeros_like(ids)
-        for i, sequence in enumerate(sequences):
-            ids[i, : len(sequence)] = torch.tensor(list(sequence))
-            mask[i, : len(sequence)] = 1
-        logprobs = sequence_logprobs(self.model, ids, mask)
+        batch = pad_prompts(sequences, "right")
+        logprobs = sequence_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
         return [logprobs[i, : len(s)] for i, s in enumerate(sequences)]
 
 

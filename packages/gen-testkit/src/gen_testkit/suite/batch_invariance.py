@@ -3,7 +3,7 @@
 Not part of the default conformance suite: a backend that offers the capability runs this one on
 a subject built with ``batch_invariant=True`` (and a test class per dtype). Every property
 asserts ``torch.equal``, never a tolerance: a single bit of difference in any row fails it.
-The trainer's side is ``gen_interface.exact.sequence_logprobs`` on a transformers model loaded
+The trainer's side is ``gen_hf.exact.sequence_logprobs`` on a transformers model loaded
 from the subject's ``model_name`` in the subject's dtype, fed batches of its own composition
 (other rows beside, shuffled, padded left or right), so equality also proves independence from
 batch mates, batch size, padding side and the backend's prefill/decode split.
@@ -21,7 +21,7 @@ from gen_interface import BatchedDataDict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gen_testkit.strategies import prompts
+from gen_testkit.strategies import pad_prompts, prompts
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase, property_settings
 
 __all__ = ["BatchInvarianceProperties", "trainer_logprobs"]
@@ -35,7 +35,7 @@ def trainer_logprobs(
     The sequences run in one batch with ``mates`` random sequences among them, in shuffled
     order, ``padding`` ("left" or "right").
     """
-    from gen_interface.exact import sequence_logprobs
+    from gen_hf.exact import sequence_logprobs
 
     rng = random.Random(len(sequences) * 1000 + mates)
     vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator,union-attr]
@@ -44,21 +44,12 @@ def trainer_logprobs(
     ]
     order = list(range(len(rows)))
     rng.shuffle(order)
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
-    for slot, i in enumerate(order):
-        n = len(rows[i])
-        start = width - n if padding == "left" else 0
-        ids[slot, start : start + n] = torch.tensor(rows[i])
-        mask[slot, start : start + n] = 1
+    batch = pad_prompts([rows[i] for i in order], padding)  # type: ignore[arg-type]
     with torch.no_grad():
-        logprobs = sequence_logprobs(model, ids, mask)
+        logprobs = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"])
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
     for slot, i in enumerate(order):
-        n = len(rows[i])
-        start = width - n if padding == "left" else 0
-        out[i] = logprobs[slot, start : start + n]
+        out[i] = logprobs[slot][batch["attention_mask"][slot].bool()]
     return out[: len(sequences)]
 
 

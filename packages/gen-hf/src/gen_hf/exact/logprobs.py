@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gen_interface.exact.transformers_models import batch_invariant
+from gen_hf.exact.models import batch_invariant
 
 __all__ = ["sequence_logprobs"]
 

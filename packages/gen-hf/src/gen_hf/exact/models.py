@@ -5,10 +5,7 @@
 attention and mask interfaces under ``ATTENTION_NAME``), for as long as the ``with`` block
 lasts, or for good with ``make_batch_invariant``. A trainer wraps its own model in it to compute
 the logprobs that a backend in batch-invariant mode returns, bit for bit; gen-hf wraps the model
-it generates with.
-
-transformers is imported when a model is wrapped, never on import of this module: a trainer that
-only reads these names pulls in no serving stack.
+it generates with (``use_batch_invariant_kernels``: checked on this machine first).
 """
 
 from __future__ import annotations
@@ -19,10 +16,22 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from gen_interface import BackendUnavailableError
+from gen_interface.exact import (
+    batch_invariance_problems,
+    invariant_attention,
+    invariant_linear,
+)
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from gen_interface.exact.kernels import invariant_attention, invariant_linear
-
-__all__ = ["ATTENTION_NAME", "batch_invariant", "make_batch_invariant", "restore_model"]
+__all__ = [
+    "ATTENTION_NAME",
+    "batch_invariant",
+    "make_batch_invariant",
+    "restore_model",
+    "use_batch_invariant_kernels",
+]
 
 #: The name under which the attention function and its mask are registered with transformers.
 ATTENTION_NAME = "gen_batch_invariant"
@@ -63,7 +72,6 @@ def make_batch_invariant(model: torch.nn.Module) -> None:
     """
     if hasattr(model, _SAVED):
         return
-    _register()
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(
@@ -135,15 +143,30 @@ def _attention(
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' boolean mask, always built (never skipped in favour of ``is_causal``)."""
-    from transformers.masking_utils import sdpa_mask
-
     kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+def use_batch_invariant_kernels(model: torch.nn.Module) -> None:
+    """Switch ``model`` to the batch-invariant kernels, after checking they hold here.
 
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _mask)
+    Raises:
+        BackendUnavailableError: this machine's kernels are not batch invariant for one of the
+            model's shapes (named), or the model cannot take a registered attention function.
+    """
+    problems = batch_invariance_problems(model)
+    if problems:
+        raise BackendUnavailableError(
+            "batch_invariant is true but on this machine these pieces of the model give a row "
+            "different bits in different batches: " + "; ".join(problems) + ". Set "
+            "batch_invariant to false, or report the CPU and torch version"
+        )
+    try:
+        make_batch_invariant(model)
+    except ValueError as exc:
+        raise BackendUnavailableError(f"batch_invariant is true but {exc}") from exc
+
+
+# Registered once, on import: the name then works wherever transformers looks it up.
+AttentionInterface.register(ATTENTION_NAME, _attention)
+AttentionMaskInterface.register(ATTENTION_NAME, _mask)
