@@ -396,15 +396,17 @@ class GenerationBackend(LoopCalls, GenerationInterface):
     def _running(self, call: GenerationCall) -> Iterator[CallCount]:
         """A call's rows run: counted, in the life cycle's generating state, fatal errors
         breaking the backend."""
-        weights = self._weights
-        newest = (lambda: weights.announced) if weights is not None else (lambda: 0)
         life = self._lifecycle
         with (
-            self._metrics.call(call.size, newest) as count,
+            self._metrics.call(call.size, self._newest_announced) as count,
             life.generating(),
             life.breaks_on_fatal(),
         ):
             yield count
+
+    def _newest_announced(self) -> int:
+        """The newest weight version announced: what metrics count versions behind from."""
+        return self._weights.announced if self._weights is not None else 0
 
     # ---- the backend's steps -------------------------------------------------------------
 

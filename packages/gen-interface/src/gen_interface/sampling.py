@@ -24,6 +24,7 @@ __all__ = [
     "MAX_SEED",
     "TokenChoice",
     "derive_row_seeds",
+    "derive_sample_seeds",
     "is_greedy",
     "processed_log_probs",
     "row_generators",
@@ -35,6 +36,7 @@ __all__ = [
 GREEDY_TEMPERATURE = 1e-5
 
 _MASK64 = (1 << 64) - 1
+_INT63 = (1 << 63) - 1
 
 #: Seeds are unsigned 64-bit integers: what ``torch.Generator.manual_seed`` and vLLM's per-request
 #: ``SamplingParams.seed`` accept. Config seeds must lie in ``[0, MAX_SEED]``.
@@ -52,10 +54,19 @@ def derive_row_seeds(base_seed: int | None, count: int) -> list[int]:
     Row i's seed depends only on ``base_seed`` and ``i``: never on the other rows, the batch size
     or which worker runs the row. ``base_seed=None`` draws a fresh base, so calls differ. Every
     bit of ``base_seed`` (any value in ``[0, MAX_SEED]``) reaches the low 32 bits of the row
-    seeds, the part torch's CPU generator keeps.
+    seeds, the part torch's CPU generator keeps. They are the seeds ``row_seeds_for`` gives rows
+    whose ``sample_seeds`` are ``derive_sample_seeds(base_seed, count)``.
     """
+    return [_splitmix64(s) for s in derive_sample_seeds(base_seed, count)]
+
+
+def derive_sample_seeds(base_seed: int | None, count: int) -> list[int]:
+    """The ``sample_seeds`` entries (each in ``[0, 2**63)``, the range the input takes) that give
+    rows ``0..count-1`` exactly the seeds ``derive_row_seeds`` derives from ``base_seed``: what
+    a client sends when it spreads one call's rows over several calls (one request per row, one
+    call per replica) and wants each row to draw what it draws in the one call."""
     base = secrets.randbits(64) if base_seed is None else base_seed
-    return [_splitmix64((base * 0x9E3779B97F4A7C15 + i) & _MASK64) for i in range(count)]
+    return [_splitmix64((base * 0x9E3779B97F4A7C15 + i) & _MASK64) & _INT63 for i in range(count)]
 
 
 def row_seeds_for(prompts: PromptBatch, base_seed: int | None) -> list[int]:

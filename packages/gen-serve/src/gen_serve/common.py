@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -14,7 +15,7 @@ from gen_interface import BatchedDataDict
 
 from gen_serve.codec import IncrementalText
 from gen_serve.errors import ApiError, error_body, status_of
-from gen_serve.protocol import SamplingFields
+from gen_serve.protocol import RowExtras, SamplingFields
 from gen_serve.rows import RowPlan, plan_rows
 from gen_serve.runner import RowOutcome, until_disconnected
 from gen_serve.state import ServerState
@@ -39,6 +40,30 @@ PromptScores = list[tuple[int, float, list[int], list[float]]]
 
 
 def plan_for(
+    state: ServerState,
+    prompts: list[list[int]],
+    fields: SamplingFields,
+    max_tokens: int | None,
+    top_logprobs: int,
+    extras: RowExtras | None = None,
+) -> RowPlan:
+    """One request's rows, with this server's ``extra_args`` applied (``RowExtras``)."""
+    plan = _plan(state, prompts, fields, max_tokens, top_logprobs)
+    if extras is None:
+        return plan
+    if extras.sample_seed is not None:
+        if plan.rows != 1:
+            raise ApiError(
+                400,
+                f"extra_args.sample_seed is one row's seed, and this request has {plan.rows} "
+                "rows: send n=1, or use seed",
+                "sampling_params.extra_args.sample_seed",
+            )
+        plan.batch["sample_seeds"] = torch.tensor([extras.sample_seed], dtype=torch.int64)
+    return dataclasses.replace(plan, max_weight_staleness=extras.max_weight_staleness)
+
+
+def _plan(
     state: ServerState,
     prompts: list[list[int]],
     fields: SamplingFields,
@@ -177,5 +202,5 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except Exception as exc:
-        yield f"data: {json.dumps(error_body(status_of(exc), str(exc)))}\n\n"
+        yield f"data: {json.dumps(error_body(status_of(exc), str(exc), exc=exc))}\n\n"
     yield "data: [DONE]\n\n"

@@ -47,15 +47,28 @@ class ApiError(Exception):
         self.param = param
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "Error"),
-            "param": param,
-            "code": status,
-        }
+def error_body(
+    status: int, message: str, param: str | None = None, exc: BaseException | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object; for a backend's error also ``gen_error``, the name of its
+    ``gen_interface`` error class, so that a client of this project raises the same type."""
+    body: dict[str, Any] = {
+        "message": message,
+        "type": _TYPES.get(status, "Error"),
+        "param": param,
+        "code": status,
     }
+    if isinstance(exc, GenerationError):
+        body["gen_error"] = _interface_class(exc)
+    return {"error": body}
+
+
+def _interface_class(exc: GenerationError) -> str:
+    """The most derived class of ``exc`` that ``gen_interface`` itself defines."""
+    for cls in type(exc).__mro__:
+        if cls.__module__ == "gen_interface.errors":
+            return cls.__name__
+    return "GenerationError"
 
 
 def status_of(exc: BaseException) -> int:
@@ -75,8 +88,10 @@ def status_of(exc: BaseException) -> int:
     return 500
 
 
-def _json(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def _json(
+    status: int, message: str, param: str | None = None, exc: BaseException | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, exc), status_code=status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -105,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
         status = status_of(exc)
         if status >= 500:
             logger.error("request failed: %s", exc)
-        return _json(status, str(exc))
+        return _json(status, str(exc), exc=exc)
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -11,14 +11,16 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from gen_serve.errors import ApiError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gen_serve.errors import ApiError
 
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
     "GenerateRequest",
+    "RowExtras",
     "SamplingFields",
     "StreamOptions",
     "TokenizeRequest",
@@ -267,6 +269,33 @@ class GenerateSampling(SamplingFields):
     extra_args: dict[str, Any] | None = None
     flat_logprobs: bool = False
 
+    def extras(self) -> RowExtras:
+        """This server's keys of ``extra_args`` (vLLM leaves the dict to plugins; other keys
+        are ignored here as there)."""
+        known = {k: v for k, v in (self.extra_args or {}).items() if k in RowExtras.model_fields}
+        try:
+            return RowExtras.model_validate(known)
+        except ValueError as exc:
+            raise ApiError(
+                400, f"sampling_params.extra_args: {exc}", "sampling_params.extra_args"
+            ) from exc
+
+
+class RowExtras(BaseModel):
+    """What a client of this project sends in ``sampling_params.extra_args``.
+
+    Attributes:
+        sample_seed: the row's ``GenerationDatumSpec.sample_seeds`` entry, used as it is
+            (``seed`` is first spread over the request's ``n`` rows): a client that resolved
+            its rows' seeds itself (``gen_interface.sampling.sample_seed_for``) gets exactly
+            the tokens its own call would draw. Needs ``n`` = 1.
+        max_weight_staleness: the row starts only on weights at most this many versions behind
+            the newest announced (``GenerationConfig.max_weight_staleness``, per request).
+    """
+
+    sample_seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    max_weight_staleness: int | None = Field(None, ge=0)
+
 
 class TokenizeRequest(_Strict):
     """``POST /tokenize``: a ``prompt`` or chat ``messages``."""
@@ -293,6 +322,8 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+    #: This server's: leave special tokens out of the text (vLLM keeps them).
+    skip_special_tokens: bool = False
 
 
 def _check_stream(stream: bool, options: StreamOptions | None, prompt_logprobs: int | None) -> None:

@@ -16,9 +16,11 @@ import asyncio
 import time
 from typing import Annotated, Any, Literal
 
+import torch
 from fastapi import APIRouter, Query, Request
 from gen_interface import WeightUpdateError
 from gen_interface.weights import handles_from_json
+from gen_interface.weights.handles import dtype_from_name
 from pydantic import Field
 
 from gen_serve.errors import ApiError
@@ -51,6 +53,10 @@ class _InitTransfer(_Strict):
 
 class _NewVersion(_Strict):
     new_version: str | int
+
+
+class _RefitInfo(_Strict):
+    state_dict_info: dict[str, tuple[list[int], str]]
 
 
 class _Announce(_Strict):
@@ -147,10 +153,25 @@ def weight_router(state: ServerState) -> APIRouter:
     @router.post("/start_weight_update")
     async def start_weight_update(request: Request) -> Any:
         body = await parse_body(request, _StartUpdate, empty_ok=True)
-        if state.paused_update and _update_open(state):
-            return {"message": "Weight update started"}  # /pause opened it
-        await _start(state, in_flight=body.in_flight, version=body.version)
-        return {"message": "Weight update started"}
+        if state.paused_update and _update_open(state):  # /pause opened it
+            return {"message": "Weight update started", "weight_version": state.update_target}
+        target = await _start(state, in_flight=body.in_flight, version=body.version)
+        return {"message": "Weight update started", "weight_version": target}
+
+    @router.post("/prepare_refit_info")
+    async def prepare_refit_info(request: Request) -> Any:
+        """This server's: check that updates carrying ``state_dict_info`` (``{name: [shape,
+        dtype]}``) fit the model (``GenerationInterface.prepare_refit_info``)."""
+        body = await parse_body(request, _RefitInfo)
+        try:
+            info = {
+                name: (torch.Size(shape), dtype_from_name(dtype))
+                for name, (shape, dtype) in body.state_dict_info.items()
+            }
+        except (WeightUpdateError, TypeError, ValueError) as exc:
+            raise ApiError(400, f"state_dict_info: {exc}", "state_dict_info") from exc
+        await _blocking(state, backend.prepare_refit_info, info)
+        return {"message": "Weights fit the model"}
 
     @router.post("/update_weights")
     async def update_weights(request: Request) -> Any:
@@ -227,9 +248,11 @@ def weight_router(state: ServerState) -> APIRouter:
     return router
 
 
-async def _start(state: ServerState, *, in_flight: str, version: int | None = None) -> None:
-    await _blocking(state, state.backend.start_weight_update, version, in_flight=in_flight)
+async def _start(state: ServerState, *, in_flight: str, version: int | None = None) -> int:
+    target = await _blocking(state, state.backend.start_weight_update, version, in_flight=in_flight)
     state.update_started = time.perf_counter()
+    state.update_target = int(target)
+    return int(target)
 
 
 def _update_open(state: ServerState) -> bool:

@@ -1,7 +1,10 @@
-"""``/health``, ``/v1/models``, ``/version`` and ``/metrics``."""
+"""``/health``, ``/v1/models``, ``/version``, ``/metrics`` and this server's ``/backend_info``."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import socket
 import time
 import uuid
 from importlib.metadata import version
@@ -63,6 +66,29 @@ def info_router(state: ServerState) -> APIRouter:
     async def server_version() -> Any:
         return {"version": version("gen-serve"), "backend": state.backend.config["backend"]}
 
+    @router.get("/backend_info")
+    async def backend_info() -> Any:
+        """What a client of this project (the ``remote`` backend) needs to act as the backend
+        itself: its config, capabilities, limits, weight version and the host it runs on."""
+        backend = state.backend
+        limits = [state.settings.max_logprobs, getattr(backend, "max_top_logprobs", None)]
+        return {
+            "backend": backend.config["backend"],
+            "model_name": state.settings.model_name,
+            "host": socket.gethostname(),
+            "config": json.loads(json.dumps(dict(backend.config), default=str)),
+            "capabilities": _plain(dataclasses.asdict(backend.capabilities)),
+            "vocab_size": getattr(backend, "vocab_size", None),
+            "context_limit": state.context_limit,
+            "max_top_logprobs": min(x for x in limits if x is not None),
+            "eos_token_id": state.eos_token_id,
+            "has_tokenizer": state.codec is not None,
+            "control_routes": state.settings.control_routes,
+            "weight_routes": state.settings.weight_routes,
+            "weight_version": backend.weight_version,
+            "state": backend.state,
+        }
+
     @router.get("/metrics")
     async def metrics() -> Response:
         state.metrics.weight_version.set(state.backend.weight_version)
@@ -70,3 +96,14 @@ def info_router(state: ServerState) -> APIRouter:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return router
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON: sets become sorted lists, tuples lists."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, frozenset | set):
+        return sorted(value)
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value

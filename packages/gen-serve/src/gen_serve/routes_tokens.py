@@ -47,7 +47,9 @@ def token_router(state: ServerState) -> APIRouter:
         params = req.sampling()
         if req.output_mode == "text":
             state.require_codec("output_mode 'text'")
-        plan = plan_for(state, [req.token_ids], params, params.max_tokens, params.logprobs or 0)
+        plan = plan_for(
+            state, [req.token_ids], params, params.max_tokens, params.logprobs or 0, params.extras()
+        )
         rid = new_id("generate-tokens", request.headers.get("x-request-id") or req.request_id)
         if req.stream:
             steps = await primed(state.runner.stream(plan))
@@ -127,7 +129,7 @@ def token_router(state: ServerState) -> APIRouter:
         bad = [t for t in req.tokens if not 0 <= t < codec.vocab_size]
         if bad:
             raise ApiError(400, f"Token id {bad[0]} is out of vocabulary", "tokens")
-        return {"prompt": codec.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": codec.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)}
 
     return router
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from gen_interface import BatchedDataDict
-from gen_interface.sampling import MAX_SEED, derive_row_seeds
+from gen_interface.sampling import MAX_SEED, derive_sample_seeds
+
 from gen_serve.errors import ApiError
 from gen_serve.protocol import SamplingFields
 
@@ -35,6 +36,7 @@ class RowPlan:
             null, as vLLM does).
         stop_strings: the request's stop strings.
         top_logprobs: how many top logprobs each row reports.
+        max_weight_staleness: the request's staleness bound (None: the backend's config's).
     """
 
     prompts: list[list[int]]
@@ -44,6 +46,7 @@ class RowPlan:
     eos_token_id: int | None
     stop_strings: list[str]
     top_logprobs: int
+    max_weight_staleness: int | None = None
 
     @property
     def rows(self) -> int:
@@ -125,10 +128,7 @@ def plan_rows(
         min_p=torch.full((len(rows),), float(value("min_p"))),
         top_logprobs=torch.full((len(rows),), top_logprobs, dtype=torch.int64),
         stop_token_ids=[list(stop_ids) for _ in rows],
-        sample_seeds=torch.tensor(
-            [s & 0x7FFF_FFFF_FFFF_FFFF for s in derive_row_seeds(base, len(rows))],
-            dtype=torch.int64,
-        ),
+        sample_seeds=torch.tensor(derive_sample_seeds(base, len(rows)), dtype=torch.int64),
     )
     if fields.stop_strings:
         batch["stop_strings"] = [list(fields.stop_strings) for _ in rows]

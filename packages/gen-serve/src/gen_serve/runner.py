@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gen_interface import GenerationInterface, RowEvent
+
 from gen_serve.codec import TextCodec
 from gen_serve.errors import ApiError
 from gen_serve.metrics import ServerMetrics
@@ -79,6 +80,8 @@ class Runner:
         #: Requests held at the door while the server is paused (``/pause``).
         self.admitting = asyncio.Event()
         self.admitting.set()
+        #: ``with_sampling`` front ends by staleness bound (``RowExtras.max_weight_staleness``).
+        self._front_ends: dict[int, GenerationInterface] = {}
 
     async def stream(self, plan: RowPlan) -> AsyncIterator[RowStream]:
         """Every event of ``plan``'s rows as it comes; each row's last has its outcome final.
@@ -102,7 +105,7 @@ class Runner:
         finished = False
         try:
             await self.admitting.wait()
-            events = self.backend.generate_stream(plan.batch)
+            events = self._bounded(plan.max_weight_staleness).generate_stream(plan.batch)
             try:
                 async for event in events:
                     outcome = outcomes[event.index]
@@ -123,6 +126,22 @@ class Runner:
                 sum(len(o.token_ids) for o in outcomes),
                 [o.finish_reason or "abort" for o in outcomes] if finished else ["abort"],
             )
+
+    def _bounded(self, max_staleness: int | None) -> GenerationInterface:
+        """The backend, or its front end with the request's staleness bound."""
+        if max_staleness is None:
+            return self.backend
+        if max_staleness not in self._front_ends:
+            try:
+                view = self.backend.with_sampling(max_weight_staleness=max_staleness)
+            except NotImplementedError as exc:
+                raise ApiError(
+                    400,
+                    f"extra_args.max_weight_staleness needs a backend with front ends: {exc}",
+                    "sampling_params.extra_args.max_weight_staleness",
+                ) from exc
+            self._front_ends[max_staleness] = view
+        return self._front_ends[max_staleness]
 
     async def run(self, plan: RowPlan) -> list[RowOutcome]:
         """Every row of ``plan`` to its end."""

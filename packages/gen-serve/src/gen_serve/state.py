@@ -70,6 +70,8 @@ class ServerState:
     paused_update: bool = False
     sleeping: bool = False
     update_started: float | None = None
+    #: The version the open update commits (``/start_weight_update`` answers it).
+    update_target: int | None = None
 
     @functools.cached_property
     def fingerprint(self) -> str:
