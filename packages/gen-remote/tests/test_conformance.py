@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from remote_servers import ServedModels, remote_config
 from gen_interface import create_generation_backend
 from gen_testkit.conformance import (
     ConformanceSubject,
@@ -19,6 +18,7 @@ from gen_testkit.models import TinyModel
 from gen_testkit.suite.async_rows import AsyncRowChecks
 from gen_testkit.suite.in_flight import InFlightUpdateChecks
 from gen_testkit.suite.staleness import StalenessChecks
+from remote_servers import ServedModels, remote_config
 
 
 def remote_subject(

@@ -48,7 +48,9 @@ def error_from_answer(status: int, body: Any, where: str) -> Exception:
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
         message = str(error.get("message") or error)
-        status = int(error.get("code") or status) if str(error.get("code", "")).isdigit() else status
+        status = (
+            int(error.get("code") or status) if str(error.get("code", "")).isdigit() else status
+        )
         named = error.get("gen_error")
     else:
         message, named = (str(body)[:2000] or f"HTTP {status}"), None

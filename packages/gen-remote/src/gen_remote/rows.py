@@ -4,9 +4,9 @@ together.
 Every row is one request, with every setting resolved by the client (``RowSampling``), so the
 server's own sampling config never applies. On a gen-serve server the row's seed travels as
 ``extra_args.sample_seed``, the ``sample_seeds`` entry that gives it the seed it has in process
-(``derive_sample_seeds``): a sampled row draws the tokens it draws there. Top logprobs are asked one deeper than wanted: vLLM's answer lists the chosen token
-first and cuts the list at the number asked, so a chosen token outside the top k would push
-the k-th out.
+(``derive_sample_seeds``): a sampled row draws the tokens it draws there. Top logprobs are
+asked one deeper than wanted: vLLM's answer lists the chosen token first and cuts the list at
+the number asked, so a chosen token outside the top k would push the k-th out.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def scored_row_from_answer(
         if chosen is None:
             raise GenerationError(f"the server sent no logprob for position {position}")
         logprobs.append(float(chosen["logprob"]))
-        top = _top(
-            (int(token), float(e["logprob"]), e.get("rank")) for token, e in entry.items()
-        )[:top_logprobs]
+        top = _top((int(token), float(e["logprob"]), e.get("rank")) for token, e in entry.items())[
+            :top_logprobs
+        ]
         ids.append([t for t, _ in top])
         values.append([v for _, v in top])
     g = len(logprobs)

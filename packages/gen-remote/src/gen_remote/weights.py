@@ -150,7 +150,8 @@ class RemoteWeights:
     ) -> None:
         self._require_weight_routes("prepare_refit_info")
         info = {
-            name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in state_dict_info.items()
+            name: [list(shape), dtype_name(dtype)]
+            for name, (shape, dtype) in state_dict_info.items()
         }
         self._wire.call("POST", "/prepare_refit_info", {"state_dict_info": info})
 
