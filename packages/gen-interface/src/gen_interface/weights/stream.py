@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gen_interface.interface import BackendCapabilities
+from gen_interface.weights.collective import WeightBroadcaster
 from gen_interface.weights.handles import WeightHandles
 from gen_interface.weights.in_place import in_place_handles, split_in_place
 from gen_interface.weights.layout import (
@@ -103,7 +104,10 @@ class Refitter:
     next (new buckets would be faulted in anew by the trainer and by every worker, each time).
 
     Host tensors that already live in this project's shared memory (``share_parameters``) are
-    sent in place, with no copy and no bucket.
+    sent in place, with no copy and no bucket. A backend that shared memory cannot reach (a
+    ``remote`` one on another machine: ``"collective"`` among its transports, neither ``"shm"``
+    nor ``"cuda_ipc"``) gets its refits broadcast instead, through a ``WeightBroadcaster`` made
+    on the first refit.
 
     Args:
         backend: any backend with weight-update transactions.
@@ -113,6 +117,8 @@ class Refitter:
             default: the weights' own device.
         buffers: buckets per place (2: double buffering); default: the backend's
             ``capabilities.refit_buffers``.
+        collective_host: this machine's address as the backend reaches it, when refits are
+            broadcast (``WeightBroadcaster.connect``'s ``host``).
     """
 
     def __init__(
@@ -122,8 +128,13 @@ class Refitter:
         bucket_bytes: int | None = None,
         devices: Sequence[torch.device | int | str] | None = None,
         buffers: int | None = None,
+        collective_host: str | None = None,
     ):
         capabilities = backend.capabilities
+        transports = capabilities.weight_transports
+        self.broadcasts = "collective" in transports and not transports & {"shm", "cuda_ipc"}
+        self.collective_host = collective_host
+        self._broadcaster: WeightBroadcaster | None = None
         self.backend = backend
         self.bucket_bytes = (
             capabilities.refit_bucket_bytes if bucket_bytes is None else bucket_bytes
@@ -161,6 +172,8 @@ class Refitter:
                 ``devices``.
         """
         tensors = named_tensors(state_dict)
+        if self.broadcasts:
+            return self._broadcast(tensors, version, in_flight)
         places = resolve_places(tensors, self.devices)
         in_place, to_copy = split_in_place(tensors) if places == [Place(None)] else ([], tensors)
         groups = plan_buckets(to_copy, self.bucket_bytes)
@@ -196,12 +209,27 @@ class Refitter:
                     backend.abort_weight_update()
                 raise
 
+    def _broadcast(self, tensors: NamedTensors, version: int | None, in_flight: InFlight) -> int:
+        """The refit through the collective path: the group is formed on the first refit."""
+        if self._broadcaster is None:
+            device = tensors[0][1].device if tensors else torch.device("cpu")
+            self._broadcaster = WeightBroadcaster.connect(
+                self.backend, device=device, host=self.collective_host
+            )
+        return self._broadcaster.refit(
+            tensors, version=version, in_flight=in_flight, bucket_bytes=self.bucket_bytes
+        )
+
     def allocated_bytes(self) -> int:
         """Bytes of the buckets held now (0 before the first copy, and after ``close``)."""
         return 0 if self._ring is None else self._ring.allocated_bytes()
 
     def close(self) -> None:
-        """Free the buckets. Idempotent; a later ``refit`` makes new ones."""
+        """Free the buckets (and leave the weight group). Idempotent; a later ``refit`` makes
+        new ones."""
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None
