@@ -35,7 +35,14 @@ def test_malformed_input_is_refused_with_a_message_naming_the_field(problem):
     message = str(refused.value)
     named = [
         f
-        for f in ("input_ids", "attention_mask", "input_lengths", "stop_strings", "sample_seeds")
+        for f in (
+            "input_ids",
+            "attention_mask",
+            "input_lengths",
+            "stop_strings",
+            "sample_seeds",
+            "session_ids",
+        )
         if f in message
     ]
     assert named, f"{problem}: message names no field: {message}"
@@ -62,9 +69,12 @@ def test_optional_fields_pass_through():
     batch = pad_prompts([[1, 2], [3]], "left")
     batch["stop_strings"] = [["x"], None]
     batch["sample_seeds"] = torch.tensor([5, 6])
+    batch["session_ids"] = ["conversation-1", None]
     normal = normalize_generation_input(batch, pad_token_id=0)
     assert normal.stop_strings == [["x"], None]
     assert normal.sample_seeds.tolist() == [5, 6]
+    assert normal.session_ids == ["conversation-1", None]
+    assert normal.select([1, 0]).session_ids == [None, "conversation-1"]
 
 
 def test_empty_batch_normalises():

@@ -12,8 +12,8 @@ import time
 import pytest
 from gen_interface import GenerationError
 from gen_vllm.background_loop import BackgroundLoop
-from gen_vllm.messages import RowRequest
-from gen_vllm.router import RowRouter
+from gen_vllm.messages import RowOutput, RowRequest
+from gen_vllm.router import AFFINITY_SLACK_TOKENS, RowRouter
 
 
 @pytest.fixture
@@ -114,3 +114,65 @@ def test_a_call_whose_rows_run_too_long_times_out_with_a_generation_error():
 async def _drain(router: RowRouter, call: str, timeout_s: float) -> list[int]:
     requests = [RowRequest(f"{call}-{i}", [1, 2], {"max_tokens": 4}) for i in range(2)]
     return [i async for i, _ in router.run(requests, [4, 4], timeout_s)]
+
+
+class _Immediate:
+    """Stands in for ``ReplicaSet``: every row finishes at once; records where each went."""
+
+    def __init__(self, replicas: int):
+        self.placed: list[tuple[str | None, int]] = []  # (session, replica) per row, in order
+        self._replicas = replicas
+
+    def __len__(self) -> int:
+        return self._replicas
+
+    def generate(self, replica: int, request: RowRequest) -> asyncio.Future[RowOutput]:
+        self.placed.append((request.session, replica))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(RowOutput(token_ids=[7], logprobs=[-1.0], finish_reason="stop"))
+        return done
+
+
+def _call(router: RowRouter, sessions: list[str | None], cost: int = 4) -> None:
+    requests = [
+        RowRequest(f"r-{i}", [1, 2], {"max_tokens": cost}, session=s)
+        for i, s in enumerate(sessions)
+    ]
+
+    async def drain() -> None:
+        async for _ in router.run(requests, [cost] * len(requests), 5.0):
+            pass
+
+    asyncio.run(drain())
+
+
+def test_rows_of_a_session_go_to_the_replica_that_served_it():
+    replicas = _Immediate(2)
+    router = RowRouter(replicas, capacity=8)  # type: ignore[arg-type]
+    sessions = ["a", "b", "c", "d"]
+    _call(router, sessions)
+    first = dict(replicas.placed)
+    assert sorted(first.values()) == [0, 0, 1, 1]  # spread by load on the first turn
+    for _ in range(3):  # later turns, in another order, each with a stranger
+        replicas.placed.clear()
+        _call(router, ["d", None, "b", "a", "c"])
+        placed = dict((s, r) for s, r in replicas.placed if s is not None)
+        assert placed == first
+
+
+def test_a_session_leaves_a_replica_its_load_does_not_allow():
+    replicas = _Immediate(2)
+    router = RowRouter(replicas, capacity=2)  # type: ignore[arg-type]
+    _call(router, ["a"])
+    home = replicas.placed[0][1]
+    replicas.placed.clear()
+    # the session's rows fill its replica: the third goes to the other one, its new home
+    _call(router, ["a", "a", "a"])
+    assert [r for _, r in replicas.placed] == [home, home, 1 - home]
+    replicas.placed.clear()
+    _call(router, ["a"])
+    assert replicas.placed == [("a", 1 - home)]
+    # a row far above the slack on the home replica sends the next one elsewhere too
+    replicas.placed.clear()
+    _call(router, ["a", "a"], cost=AFFINITY_SLACK_TOKENS + 1)
+    assert [r for _, r in replicas.placed] == [1 - home, home]

@@ -30,6 +30,7 @@ class PromptBatch:
         sample_seeds: int64 ``[B]`` per-row seeds given by the caller, or None.
         row_settings: per-row sampling settings the caller gave (``row_settings.ROW_SETTINGS``
             and ``stop_token_ids``): name -> one value per row.
+        session_ids: per-row conversation keys (``GenerationDatumSpec.session_ids``), or None.
     """
 
     input_ids: torch.Tensor
@@ -37,6 +38,7 @@ class PromptBatch:
     stop_strings: list[list[str] | None]
     sample_seeds: torch.Tensor | None
     row_settings: Mapping[str, list[Any]] = field(default_factory=dict)
+    session_ids: list[str | None] | None = None
 
     @property
     def size(self) -> int:
@@ -53,6 +55,9 @@ class PromptBatch:
             stop_strings=[self.stop_strings[i] for i in indices],
             sample_seeds=None if self.sample_seeds is None else self.sample_seeds[index],
             row_settings={k: [v[i] for i in indices] for k, v in self.row_settings.items()},
+            session_ids=None
+            if self.session_ids is None
+            else [self.session_ids[i] for i in indices],
         )
 
     def prompts(self) -> list[list[int]]:
@@ -135,6 +140,7 @@ def normalize_generation_input(
         stop_strings=_stop_strings(data, batch),
         sample_seeds=_sample_seeds(data, batch),
         row_settings=parse_row_settings(data, batch),
+        session_ids=_session_ids(data, batch),
     )
 
 
@@ -240,6 +246,22 @@ def _stop_strings(data: Mapping[str, Any], batch: int) -> list[list[str] | None]
             )
         rows.append(None if row is None else list(row))
     return rows
+
+
+def _session_ids(data: Mapping[str, Any], batch: int) -> list[str | None] | None:
+    value = data.get("session_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) != batch:
+        raise GenerationInputError(
+            f"session_ids must be a list of {batch} entries (one per row), got {value!r:.80}"
+        )
+    for i, session in enumerate(value):
+        if session is not None and (not isinstance(session, str) or not session):
+            raise GenerationInputError(
+                f"session_ids row {i} must be None or a non-empty string, got {session!r}"
+            )
+    return list(value)
 
 
 def _sample_seeds(data: Mapping[str, Any], batch: int) -> torch.Tensor | None:

@@ -89,6 +89,10 @@ class GenerationDatumSpec(TypedDict):
     min_p: NotRequired[torch.Tensor]  # float [B], in [0, 1]
     top_logprobs: NotRequired[torch.Tensor]  # int64 [B], >= 0
     stop_token_ids: NotRequired[list[list[int] | None]]  # per row; None: the config's
+    # per row: the conversation it continues (None: none). A backend with several replicas
+    # sends rows of one session to the replica that served the session's last row, whose prefix
+    # cache holds the conversation so far, while that replica's load allows. Changes no output.
+    session_ids: NotRequired[list[str | None]]
 
 
 class GenerationOutputSpec(TypedDict):

@@ -143,6 +143,7 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
         goes to ``emit`` as it comes, the first failure too (and the other rows end)."""
         staleness = self.config.get("max_weight_staleness")
         prompts = call.prompts.prompts()
+        sessions = call.prompts.session_ids or [None] * call.size
         given = call.prompts.sample_seeds
         seeds = (
             given.tolist()
@@ -159,6 +160,7 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
                 prompts[index],
                 row,
                 sample_seed=seeds[index],
+                session=sessions[index],
                 dialect=self.server.dialect,
                 max_weight_staleness=staleness,
             )

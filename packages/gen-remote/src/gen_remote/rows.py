@@ -32,9 +32,11 @@ def generate_body(
     sample_seed: int,
     dialect: str,
     max_weight_staleness: int | None,
+    session: str | None = None,
 ) -> dict[str, Any]:
     """The streamed request of one row; ``sample_seed`` is its ``sample_seeds`` entry (the
-    caller's, or ``derive_sample_seeds``'), which gives it ``row.seed`` on the server."""
+    caller's, or ``derive_sample_seeds``'), which gives it ``row.seed`` on the server;
+    ``session`` its ``session_ids`` entry."""
     params: dict[str, Any] = {
         "max_tokens": row.max_new_tokens,
         "temperature": row.temperature,
@@ -55,7 +57,10 @@ def generate_body(
         params["extra_args"] = extras
     elif not row.greedy:
         params["seed"] = row.seed & _INT63
-    return {"token_ids": list(prompt), "sampling_params": params, "stream": True}
+    body: dict[str, Any] = {"token_ids": list(prompt), "sampling_params": params, "stream": True}
+    if session is not None:
+        body["session_id"] = session
+    return body
 
 
 def score_body(sequence: Sequence[int], top_logprobs: int) -> dict[str, Any]:

@@ -28,6 +28,7 @@ __all__ = [
     "prompt_logprobs_json",
     "prompt_scores",
     "run_plan",
+    "session_of",
     "sse",
     "sse_response",
     "text_decoder",
@@ -46,9 +47,13 @@ def plan_for(
     max_tokens: int | None,
     top_logprobs: int,
     extras: RowExtras | None = None,
+    session: str | None = None,
 ) -> RowPlan:
-    """One request's rows, with this server's ``extra_args`` applied (``RowExtras``)."""
+    """One request's rows, with this server's ``extra_args`` applied (``RowExtras``) and the
+    conversation they continue (``session``: every row carries it as its ``session_ids``)."""
     plan = _plan(state, prompts, fields, max_tokens, top_logprobs)
+    if session is not None:
+        plan.batch["session_ids"] = [session] * plan.rows
     if extras is None:
         return plan
     if extras.sample_seed is not None:
@@ -89,6 +94,12 @@ def _plan(
         pad_token_id=int(state.backend.config["pad_token_id"]),
         max_rows=state.settings.max_rows_per_request,
     )
+
+
+def session_of(request: Request, *given: str | None) -> str | None:
+    """The session a request names: its first ``session_id`` field set, else the
+    ``X-Session-ID`` header."""
+    return next((s for s in given if s), None) or request.headers.get("x-session-id") or None
 
 
 async def run_plan(

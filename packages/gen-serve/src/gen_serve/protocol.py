@@ -63,7 +63,6 @@ _INERT: dict[str, tuple[Any, str]] = {
     "spaces_between_special_tokens": (lambda v: True, ""),
     "priority": (lambda v: True, ""),
     "cache_salt": (lambda v: True, ""),
-    "session_id": (lambda v: True, ""),
     "user": (lambda v: True, ""),
     "vllm_xargs": (_off, "vllm_xargs is not supported"),
     "return_token_offsets": (_off, "return_token_offsets is not supported"),
@@ -141,6 +140,10 @@ class SamplingFields(_Strict):
     return_tokens_as_token_ids: bool | None = None
     #: This server's: every choice's per-token weight versions (int list).
     return_weight_versions: bool = False
+    #: The conversation this request continues: its rows go to the replica that served the
+    #: session's last request while that replica's load allows (also the ``X-Session-ID``
+    #: header).
+    session_id: str | None = Field(None, min_length=1)
     request_id: str | None = None
     model: str | None = None
 
@@ -241,6 +244,7 @@ class GenerateRequest(_Strict):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text"] = "tokens"
+    session_id: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_ids(self) -> GenerateRequest:

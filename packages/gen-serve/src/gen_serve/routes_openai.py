@@ -19,6 +19,7 @@ from gen_serve.common import (
     prompt_logprobs_json,
     prompt_scores,
     run_plan,
+    session_of,
     sse,
     sse_response,
     text_decoder,
@@ -48,7 +49,14 @@ def openai_router(state: ServerState) -> APIRouter:
         req = await parse_body(request, CompletionRequest)
         state.check_model(req.model)
         prompts, texts = _completion_prompts(state, req)
-        plan = plan_for(state, prompts, req, req.max_tokens, req.logprobs or 0)
+        plan = plan_for(
+            state,
+            prompts,
+            req,
+            req.max_tokens,
+            req.logprobs or 0,
+            session=session_of(request, req.session_id),
+        )
         want_prompt = req.prompt_logprobs is not None or (req.echo and req.logprobs is not None)
         k_prompt = max(req.prompt_logprobs or 0, req.logprobs or 0 if req.echo else 0)
         rid = new_id("cmpl", request.headers.get("x-request-id") or req.request_id)
@@ -82,7 +90,9 @@ def openai_router(state: ServerState) -> APIRouter:
         state.check_model(req.model)
         prompt = _chat_prompt(state, req)
         k = (req.top_logprobs or 0) if req.logprobs else 0
-        plan = plan_for(state, [prompt], req, req.new_tokens, k)
+        plan = plan_for(
+            state, [prompt], req, req.new_tokens, k, session=session_of(request, req.session_id)
+        )
         rid = new_id("chatcmpl", request.headers.get("x-request-id") or req.request_id)
         head = {"id": rid, "created": created(), "model": _name(state)}
         if req.stream:

@@ -17,6 +17,7 @@ from gen_serve.common import (
     prompt_logprobs_json,
     prompt_scores,
     run_plan,
+    session_of,
     sse,
     text_decoder,
 )
@@ -48,7 +49,13 @@ def token_router(state: ServerState) -> APIRouter:
         if req.output_mode == "text":
             state.require_codec("output_mode 'text'")
         plan = plan_for(
-            state, [req.token_ids], params, params.max_tokens, params.logprobs or 0, params.extras()
+            state,
+            [req.token_ids],
+            params,
+            params.max_tokens,
+            params.logprobs or 0,
+            params.extras(),
+            session_of(request, req.session_id, params.session_id),
         )
         rid = new_id("generate-tokens", request.headers.get("x-request-id") or req.request_id)
         if req.stream:

@@ -59,4 +59,6 @@ BAD_INPUTS: dict[str, Callable[[int], dict[str, Any]]] = {
     "stop_strings has the wrong length": _with(stop_strings=[["x"]]),
     "sample_seeds has the wrong shape": _with(sample_seeds=torch.tensor([1, 2, 3])),
     "negative sample seed": _with(sample_seeds=torch.tensor([1, -2])),
+    "session_ids has the wrong length": _with(session_ids=["a"]),
+    "session_ids holds a number": _with(session_ids=["a", 7]),
 }

@@ -62,6 +62,8 @@ class StepOutput:
             token, the k likeliest tokens and their logprobs, most likely first.
         prompt_topk_ids, prompt_topk_logprobs: the same for prompt tokens t >= 1, for requests
             that asked for ``prompt_logprobs=k`` with k >= 1.
+        cached_tokens: once the request finished, how many of its prompt tokens vLLM found in
+            its prefix cache (``RequestOutput.num_cached_tokens``); None before.
     """
 
     request_id: str
@@ -73,6 +75,7 @@ class StepOutput:
     topk_logprobs: list[list[float]] | None = None
     prompt_topk_ids: list[list[int]] | None = None
     prompt_topk_logprobs: list[list[float]] | None = None
+    cached_tokens: int | None = None
 
 
 class EngineProtocol(Protocol):
@@ -191,6 +194,7 @@ class VllmEngine:
                     topk_logprobs=[_top_of(p, k)[1] for p in positions] if k else None,
                     prompt_topk_ids=[ids for ids, _ in prompt_top] if prompt_top else None,
                     prompt_topk_logprobs=[v for _, v in prompt_top] if prompt_top else None,
+                    cached_tokens=int(request.num_cached_tokens or 0) if request.finished else None,
                 )
             )
         return outputs

@@ -263,6 +263,8 @@ class EngineLoop:
             out.prompt_logprobs = step.prompt_logprobs
             out.prompt_topk_ids = step.prompt_topk_ids
             out.prompt_topk_logprobs = step.prompt_topk_logprobs
+        if step.cached_tokens is not None:
+            out.cached_tokens = step.cached_tokens
         if step.finish_reason is not None:
             del self._pending[step.request_id]
             if step.finish_reason not in get_args(FinishReason):

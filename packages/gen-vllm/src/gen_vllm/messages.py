@@ -22,12 +22,14 @@ class RowRequest:
         prompt: the prompt's token ids.
         params: ``vllm.SamplingParams`` keyword arguments (see ``params.row_sampling_params``).
         stream: report the row's new tokens as they come (``TokenFeed``), not only at its end.
+        session: the conversation the row continues (the router's affinity key), or None.
     """
 
     request_id: str
     prompt: list[int]
     params: dict[str, Any]
     stream: bool = False
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class RowOutput:
     topk_logprobs: list[list[float]] | None = None  # [g][k]
     prompt_topk_ids: list[list[int]] | None = None  # [p - 1][k], scoring requests with top-k
     prompt_topk_logprobs: list[list[float]] | None = None  # [p - 1][k]
+    cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache
 
 
 class ScoredTokens(TypedDict):

@@ -7,6 +7,12 @@ of another, and the caller sees each row as soon as it ends. A replica takes at 
 whichever replica frees a slot first, so uneven row lengths even out across replicas. The load
 counts are shared by every call in flight, so concurrent calls balance against each other.
 
+A row of a session (``RowRequest.session``: turn k+1 of a conversation, whose prompt begins
+with turn k's) goes to the replica that served the session's last row, whose prefix cache holds
+the conversation, unless that replica is full or has more than twice the least-loaded one's
+outstanding work (plus ``AFFINITY_SLACK_TOKENS``): then it goes to the least-loaded one, which
+becomes the session's replica. The router remembers the last ``MAX_SESSIONS`` sessions.
+
 Runs on the driver's ``BackgroundLoop``; not thread-safe.
 """
 
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -23,7 +29,14 @@ from gen_interface import GenerationError
 from gen_vllm.messages import RowOutput, RowRequest
 from gen_vllm.replicas import ReplicaSet, translate_ray_error
 
-__all__ = ["RowRouter"]
+__all__ = ["AFFINITY_SLACK_TOKENS", "MAX_SESSIONS", "RowRouter"]
+
+#: Outstanding tokens a session's replica may carry beyond twice the least-loaded replica's
+#: before the session's next row goes elsewhere: a cached prefix saves its prefill, about one
+#: prompt's worth of work, which this much queueing would cost more than.
+AFFINITY_SLACK_TOKENS = 1024
+#: Sessions remembered (least recently used forgotten first).
+MAX_SESSIONS = 100_000
 
 
 class RowRouter:
@@ -40,6 +53,9 @@ class RowRouter:
         self.outstanding = [0] * len(replicas)  # estimated tokens still to generate, per replica
         self.rows = [0] * len(replicas)  # rows in flight, per replica
         self.tokens = [0] * len(replicas)  # tokens generated (not scored), per replica
+        self.prompt_tokens = 0  # prompt tokens of generated rows (the prefix cache's queries)
+        self.cached_tokens = 0  # of those, the tokens the replicas' prefix caches held
+        self._homes: OrderedDict[str, int] = OrderedDict()  # session -> its replica
         self._freed: asyncio.Condition | None = None
 
     async def run(
@@ -64,7 +80,7 @@ class RowRouter:
         running: dict[asyncio.Task[RowOutput], tuple[int, int, Any]] = {}
         try:
             while waiting or running:
-                while waiting and (replica := self._least_loaded()) is not None:
+                while waiting and (replica := self._pick(requests[waiting[0]].session)) is not None:
                     index = waiting.popleft()
                     ref = self._replicas.generate(replica, requests[index])
                     self._take(replica, costs[index])
@@ -88,6 +104,8 @@ class RowRouter:
                     row = task.result()
                     if row.prompt_logprobs is None:
                         self.tokens[replica] += len(row.token_ids)
+                        self.prompt_tokens += len(requests[index].prompt)
+                        self.cached_tokens += row.cached_tokens
                     yield index, row
         finally:
             for task, (index, replica, ref) in running.items():
@@ -97,6 +115,23 @@ class RowRouter:
             if running:
                 async with freed:
                     freed.notify_all()
+
+    def _pick(self, session: str | None) -> int | None:
+        """The replica for a row of ``session`` (None: no session), or None when all are full."""
+        least = self._least_loaded()
+        if least is None or session is None:
+            return least
+        home = self._homes.pop(session, None)
+        stays = (
+            home is not None
+            and self.rows[home] < self._capacity
+            and self.outstanding[home] <= 2 * self.outstanding[least] + AFFINITY_SLACK_TOKENS
+        )
+        replica = home if stays and home is not None else least
+        self._homes[session] = replica
+        if len(self._homes) > MAX_SESSIONS:
+            self._homes.popitem(last=False)
+        return replica
 
     def _least_loaded(self) -> int | None:
         free = [r for r in range(len(self.rows)) if self.rows[r] < self._capacity]
