@@ -60,6 +60,6 @@ def _vllm_server(model: TinyModel, logprobs_mode: str) -> tuple[ServerThread, Ca
     return serve(VllmGeneration(cluster, config), model), cluster.shutdown
 
 
-def remote_config(server: ServerThread, **extra: Any) -> dict[str, Any]:
-    """A remote backend's config for ``server``."""
+def remote_config(server: Any, **extra: Any) -> dict[str, Any]:
+    """A remote backend's config for ``server`` (anything with its ``url``)."""
     return {"backend": "remote", "remote_cfg": {"base_url": server.url}, **extra}
