@@ -8,7 +8,8 @@ One ``gen-serve --backend vllm --replicas 2`` process on 127.0.0.1 (a free port)
 on (gen-vllm's default), a 1 GiB KV cache per replica. Each conversation: a prompt of
 ``--prompt`` random token ids, then two more turns, each the previous turn's prompt and answer
 plus ``--turn`` new ids (the next user message); every answer ``--new`` sampled tokens
-(``ignore_eos``). All conversations send their turn k at once, streamed through
+(``ignore_eos``). All conversations send their turn k at once, in a random order (replies
+do not come back in lockstep), streamed through
 ``/inference/v1/generate``; turn k+1 starts when every turn k ended. The two workloads use
 different prompts, run one after the other on the same server, prefix cache reset before each:
 first without session keys (every row to the least-loaded replica), then with
@@ -114,6 +115,9 @@ def workload(url: str, args: argparse.Namespace, seed: int, sessions: bool) -> l
         for k in range(3):
             before = cache_counts(control)
 
+            order = list(range(len(prompts)))
+            rng.shuffle(order)  # conversations do not come back in lockstep, nor in order
+
             async def turn(prompts: list[list[int]] = prompts, k: int = k) -> list:
                 limits = httpx.Limits(max_connections=args.conversations)
                 async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
@@ -122,18 +126,19 @@ def workload(url: str, args: argparse.Namespace, seed: int, sessions: bool) -> l
                             *(
                                 one_turn(
                                     client,
-                                    p,
+                                    prompts[c],
                                     args.new,
                                     seed * 1000 + 10 * c + k,
                                     f"conversation-{seed}-{c}" if sessions else None,
                                 )
-                                for c, p in enumerate(prompts)
+                                for c in order
                             )
                         ),
                         args.timeout,
                     )
 
-            results = asyncio.run(turn())
+            answered = asyncio.run(turn())
+            results = [answered[order.index(c)] for c in range(len(prompts))]
             after = cache_counts(control)
             turns.append(Turn([t for t, _ in results], after[0] - before[0], after[1] - before[1]))
             prompts = [
