@@ -156,10 +156,11 @@ class RowAssembly:
         self.topk_logprobs += event.topk_logprobs
         if choice.get("finish_reason") is not None:
             self.finish_reason = str(choice["finish_reason"])
-            self.weight_version = int(choice.get("weight_version") or 0)
-            spans = choice.get("weight_versions")
-            if spans:
-                self.weight_versions = _expand(spans, len(self.tokens))
+            spans = choice.get("weight_versions") or []
+            version = _version(choice.get("weight_version"))
+            if version is not None and all(_version(s["version"]) is not None for s in spans):
+                self.weight_version = version  # vLLM's own server names no integer versions
+                self.weight_versions = _expand(spans, len(self.tokens)) if spans else None
         return event
 
     @property
@@ -198,6 +199,14 @@ def _top(entries: Any) -> list[tuple[int, float]]:
             seen[token] = (int(rank), logprob)
     ordered = sorted(seen.items(), key=lambda item: item[1][0])
     return [(token, logprob) for token, (_, logprob) in ordered]
+
+
+def _version(value: Any) -> int | None:
+    """A weight version as this project numbers them, or None (vLLM's own: ``"default"``)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _expand(spans: Sequence[Mapping[str, Any]], count: int) -> list[int]:
