@@ -118,7 +118,9 @@ def workload(url: str, args: argparse.Namespace, seed: int, sessions: bool) -> l
             order = list(range(len(prompts)))
             rng.shuffle(order)  # conversations do not come back in lockstep, nor in order
 
-            async def turn(prompts: list[list[int]] = prompts, k: int = k) -> list:
+            async def turn(
+                prompts: list[list[int]] = prompts, k: int = k, order: list[int] = order
+            ) -> list:
                 limits = httpx.Limits(max_connections=args.conversations)
                 async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
                     return await asyncio.wait_for(
