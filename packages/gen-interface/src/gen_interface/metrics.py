@@ -31,7 +31,9 @@ name                                      meaning
 ``refit_bytes_total``                     bytes of the weights the committed updates carried
 ========================================  ===============================================
 
-Backends may add their own (gen-vllm: ``replica_{i}_tokens_generated_total`` per replica).
+Backends may add their own (gen-vllm: ``replica_{i}_tokens_generated_total`` per replica, and
+``prefix_cache_queries_total`` / ``prefix_cache_hits_total``: prompt tokens of generated rows,
+and those vLLM's prefix caches held).
 Counting costs a lock and a few additions per row (no Python work per token).
 """
 
