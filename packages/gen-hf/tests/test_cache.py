@@ -74,4 +74,6 @@ def test_generation_is_the_same_with_transformers_own_cache(
     assert len(set(preallocated[0]["generation_lengths"].tolist())) > 1
     for a, b in zip(preallocated, growing):
         assert torch.equal(a["output_ids"], b["output_ids"])
-        assert torch.allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-6)
+        # The caches hold the same keys and values, but attention sums them in other orders as
+        # rows and leading columns are dropped: measured 0 greedy, 2.6e-6 on a sampled row.
+        assert torch.allclose(a["logprobs"], b["logprobs"], rtol=0, atol=4e-6)
