@@ -75,14 +75,15 @@ class TestNgramAsyncRows(AsyncRowChecks):
         yield from ngram_subject("raw")
 
 
-def test_a_backend_without_batch_invariant_kernels_refuses_the_setting_by_name():
+@pytest.mark.parametrize("setting", ["batch_invariant", "lm_head_fp32"])
+def test_a_backend_without_a_setting_some_offer_refuses_it_by_name(setting: str):
     from gen_interface import GenerationConfigError
 
     config = conformance_config(
-        backend="ngram", model_name="ngram", vocab_size=VOCAB, batch_invariant=True
+        backend="ngram", model_name="ngram", vocab_size=VOCAB, **{setting: True}
     )
-    with pytest.raises(GenerationConfigError, match="NgramGeneration has no batch-invariant"):
+    with pytest.raises(GenerationConfigError, match=f"{setting} is true but NgramGeneration"):
         NgramGeneration(config)
-    backend = NgramGeneration(dict(config, batch_invariant=False))
+    backend = NgramGeneration(dict(config, **{setting: False}))
     assert not backend.capabilities.batch_invariant
     backend.shutdown()

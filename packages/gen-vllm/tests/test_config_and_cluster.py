@@ -53,6 +53,16 @@ def test_engine_args_on_cpu_and_gpu():
     assert colocated["enable_sleep_mode"]  # sleep only when a trainer shares the GPUs
 
 
+def test_lm_head_fp32_is_vllms_head_dtype_beside_the_users_own_overrides():
+    plain = engine_args_for(complete_vllm_config(BASE), use_gpus=False)
+    assert "hf_overrides" not in plain
+    config = complete_vllm_config(
+        dict(BASE, lm_head_fp32=True, vllm_kwargs={"hf_overrides": {"rope_theta": 5.0}})
+    )
+    overrides = engine_args_for(config, use_gpus=False)["hf_overrides"]
+    assert overrides == {"rope_theta": 5.0, "head_dtype": "float32"}
+
+
 def test_cluster_reserves_bundles_and_refuses_what_is_not_there(ray_session):
     from gen_vllm import RayVirtualCluster
 

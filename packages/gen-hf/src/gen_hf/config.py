@@ -101,6 +101,12 @@ def complete_hf_config(config: Mapping[str, Any]) -> HfConfig:
             f"hf_cfg.model_kwargs must not set {reserved}: use the config's dtype and "
             "hf_cfg.attn_implementation / hf_cfg.trust_remote_code instead"
         )
+    if out.get("batch_invariant") and out.get("lm_head_fp32"):
+        raise GenerationConfigError(
+            "batch_invariant and lm_head_fp32 are both true: batch-invariant logprobs equal the "
+            "trainer's exact forward (gen_hf.exact.sequence_logprobs), which runs the head in "
+            "the model's dtype; set one of them to false"
+        )
     out["hf_cfg"] = cfg
     return cast(HfConfig, out)
 

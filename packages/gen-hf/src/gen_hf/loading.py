@@ -12,6 +12,8 @@ from gen_interface import BackendUnavailableError, GenerationConfigError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from gen_hf.head import load_dtype_for, use_float32_head
+
 __all__ = ["LoadedModel", "load_model", "load_tokenizer", "move_model", "resolve_device"]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -83,7 +85,9 @@ def load_model(config: Mapping[str, Any], device: torch.device) -> LoadedModel:
     """
     hf_cfg = config["hf_cfg"]
     dtype_name = config.get("dtype", "auto")
-    dtype: str | torch.dtype = "auto" if dtype_name == "auto" else _DTYPES[dtype_name]
+    model_dtype: str | torch.dtype = "auto" if dtype_name == "auto" else _DTYPES[dtype_name]
+    float32_head = bool(config.get("lm_head_fp32", False))
+    dtype = load_dtype_for(model_dtype, float32_head)
     try:
         if hf_cfg["load_format"] == "dummy":  # the architecture only: weights come by update
             model_config = AutoConfig.from_pretrained(
@@ -113,6 +117,8 @@ def load_model(config: Mapping[str, Any], device: torch.device) -> LoadedModel:
             f"transformers: {str(exc).rstrip('.')}. Give a local model directory or a hub name "
             "that AutoModelForCausalLM loads."
         ) from exc
+    if float32_head:
+        use_float32_head(model, model_dtype)
     model.eval()
     model.requires_grad_(False)
     move_model(model, device)

@@ -158,11 +158,12 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         validate_generation_config(
             config, schema=cls.config_schema, foreign=cls.config_foreign_keys
         )
-        if config.get("batch_invariant"):
-            raise GenerationConfigError(
-                f"batch_invariant is true but {cls.__name__} has no batch-invariant kernels; "
-                "use backend 'hf' (CPU) or 'vllm' (CUDA), or set batch_invariant to false"
-            )
+        for setting in ("batch_invariant", "lm_head_fp32"):  # what only some backends offer
+            if config.get(setting):
+                raise GenerationConfigError(
+                    f"{setting} is true but {cls.__name__} does not offer it; use backend 'hf' "
+                    f"or 'vllm', or set {setting} to false"
+                )
         return cast(GenerationConfig, copy.deepcopy(dict(config)))
 
     @classmethod

@@ -46,6 +46,7 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "colocated": {"enabled": False},
     "max_weight_staleness": None,
     "batch_invariant": False,
+    "lm_head_fp32": False,
 }
 
 #: Settings a backend can change between calls without reloading anything (vLLM takes them per

@@ -65,6 +65,10 @@ class GenerationConfig(TypedDict, total=False):
     # gives for the same tokens (batch-invariant kernels); refused where capabilities say it is not
     # offered. Default False.
     batch_invariant: bool
+    # True: the final projection (lm_head) and the log-softmax run in float32 while the model
+    # runs in bfloat16 or float16, as prime-rl and PipelineRL do to bring rollout and trainer
+    # logprobs together; float32 models run unchanged. Default False.
+    lm_head_fp32: bool
 
 
 class GenerationDatumSpec(TypedDict):

@@ -241,8 +241,9 @@ def _with_server_defaults(config: Mapping[str, Any], server: ServerInfo) -> dict
         out["stop_token_ids"] = theirs.get("stop_token_ids") or (
             [server.eos_token_id] if server.eos_token_id is not None else None
         )
-    if "logprobs_mode" not in config and "logprobs_mode" in theirs:
-        out["logprobs_mode"] = theirs["logprobs_mode"]
+    for key in _THE_SERVERS:  # what the server's backend computes with: its values
+        if key not in config and key in theirs:
+            out[key] = theirs[key]
     for key in ("pad_token_id", "stop_token_ids"):
         if out.get(key) is None:
             raise GenerationConfigError(
@@ -255,19 +256,19 @@ def _with_server_defaults(config: Mapping[str, Any], server: ServerInfo) -> dict
 def _check_against_server(config: Mapping[str, Any], server: ServerInfo) -> None:
     """Refuse settings the server cannot honour, before any row is sent."""
     theirs = server.config
-    mode = theirs.get("logprobs_mode")
-    if mode is not None and config.get("logprobs_mode") != mode:
-        raise GenerationConfigError(
-            f"logprobs_mode is {config.get('logprobs_mode')!r} here but {mode!r} in the server's "
-            "backend, which computes them: leave logprobs_mode out, or start the server with it"
-        )
+    for key in _THE_SERVERS:
+        here, there = config.get(key), theirs.get(key, GENERATION_CONFIG_DEFAULTS[key])
+        if server.dialect == "gen-serve" and here != there:
+            raise GenerationConfigError(
+                f"{key} is {here!r} here but {there!r} in the server's backend, which computes "
+                f"with it: leave {key} out, or start the server with {key}: {here!r}"
+            )
     if server.dialect == "vllm" and config.get("max_weight_staleness") is not None:
         raise GenerationConfigError(_NO_STALENESS)
-    if config.get("batch_invariant") and not theirs.get("batch_invariant"):
-        raise GenerationConfigError(
-            "batch_invariant is the server's setting: start the server's backend with "
-            "batch_invariant: true, or set it to false here"
-        )
+
+
+#: Settings of the server's backend, not of a request: the client's must equal them.
+_THE_SERVERS = ("logprobs_mode", "batch_invariant", "lm_head_fp32")
 
 
 _NO_STALENESS = (

@@ -112,6 +112,10 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             "engine dies on the first large batch"
         )
     args.update(passed)
+    if config.get("lm_head_fp32"):
+        # vLLM's own switch (ModelConfig.head_dtype): the lm_head runs in float32, its weight
+        # cast as it is applied; the sampler's log-softmax is in float32 already.
+        args["hf_overrides"] = {**(passed.get("hf_overrides") or {}), "head_dtype": "float32"}
     return args
 
 
