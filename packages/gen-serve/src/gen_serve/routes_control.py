@@ -118,8 +118,7 @@ def control_router(state: ServerState) -> APIRouter:
     @router.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Any:
         await _blocking(state, state.backend.prepare_for_generation, tags=tags)
-        awake = tags is None or set(tags) >= {"weights", "kv_cache"}
-        state.sleeping = state.sleeping and not awake
+        state.sleeping = state.backend.state == "finished"  # a part may still sleep
         return {"status": "sleeping" if state.sleeping else "awake", "tags": tags}
 
     @router.get("/is_sleeping")
