@@ -36,7 +36,7 @@ def test_the_head_runs_in_float32_on_the_checkpoints_float32_weight(
     )
     try:
         for prompt in PROMPTS:
-            ids = torch.tensor([prompt + [11, 12, 13]])
+            ids = torch.tensor([[*prompt, 11, 12, 13]])
             sequence = BatchedDataDict(
                 input_ids=ids,
                 prompt_lengths=torch.tensor([len(prompt)]),
