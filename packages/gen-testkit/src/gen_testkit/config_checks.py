@@ -191,6 +191,7 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "colocated": st.fixed_dictionaries({"enabled": st.booleans()}),
             "max_weight_staleness": st.none() | st.integers(0, 10**6),
             "batch_invariant": st.booleans(),
+            "lm_head_fp32": st.booleans(),
         },
         "colocated": {"enabled": st.booleans()},
     }

@@ -142,6 +142,7 @@ def generation_configs(
         "colocated": {"enabled": draw(st.booleans())},
         "max_weight_staleness": draw(st.one_of(st.none(), st.integers(0, 8))),
         "batch_invariant": False,
+        "lm_head_fp32": False,
     }
 
 
@@ -164,6 +165,7 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "colocated": [True, {}, {"enabled": "yes"}, None],
     "max_weight_staleness": [-1, 1.5, "2", True],
     "batch_invariant": ["yes", 1, None],
+    "lm_head_fp32": ["yes", 1, None],
 }
 
 
