@@ -96,11 +96,12 @@ class TestAsyncRowsOverHf(AsyncRowChecks):
     subject = TestOverHf.subject
     #: The server runs in this process (a thread), so the trace counts its side of every row
     #: too (request parsing, the backend's call, the stream): 120 KiB per row measured over
-    #: gen-hf, of which the client's is a small part. What stays after the calls is the
-    #: connections kept alive for the next call (both ends, up to 64): 0.6-0.7 MiB measured,
-    #: bounded by the pool, not by the rows.
+    #: gen-hf, of which the client's is a small part. What stays after the calls was 0.6-0.65 MiB
+    #: over either backend here, and once 1.36 MiB over gen-vllm in a full run: state of the
+    #: server and the client that later calls reuse, not a per-row leak: twice the rows (400)
+    #: left the same 0.59 MiB over gen-hf.
     peak_bytes_per_row = 192 * 1024
-    bytes_left_behind = 1024 * 1024
+    bytes_left_behind = 2 * 1024 * 1024
 
 
 class TestInFlightOverVllm(InFlightUpdateChecks):

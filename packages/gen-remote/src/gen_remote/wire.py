@@ -53,7 +53,11 @@ class Wire:
         self._thread.start()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None)
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        # every connection stays open for the next call: a burst of rows reuses them instead of
+        # reconnecting (and nothing is allocated anew per call)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
 
         async def client() -> httpx.AsyncClient:
             return httpx.AsyncClient(
