@@ -70,9 +70,13 @@ async def one_turn(
     body: dict = {
         "token_ids": prompt,
         "stream": True,
-        "sampling_params": {"max_tokens": new, "temperature": 1.0, "seed": seed},
+        "sampling_params": {
+            "max_tokens": new,
+            "temperature": 1.0,
+            "seed": seed,
+            "ignore_eos": True,
+        },
     }
-    body["sampling_params"]["ignore_eos"] = True
     if session is not None:
         body["session_id"] = session
     start = time.perf_counter()

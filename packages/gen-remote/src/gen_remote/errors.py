@@ -48,9 +48,8 @@ def error_from_answer(status: int, body: Any, where: str) -> Exception:
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
         message = str(error.get("message") or error)
-        status = (
-            int(error.get("code") or status) if str(error.get("code", "")).isdigit() else status
-        )
+        code = error.get("code")
+        status = code if isinstance(code, int) else status  # a streamed error says its own
         named = error.get("gen_error")
     else:
         message, named = (str(body)[:2000] or f"HTTP {status}"), None

@@ -179,9 +179,8 @@ class RowAssembly:
                 f"the server ended row {index}'s stream after {len(self.tokens)} tokens without "
                 "saying why; the row is lost"
             )
-        reason = "abort" if self.finish_reason == "abort" else self.finish_reason
         return RowResult.ended(
-            reason,
+            self.finish_reason,
             self.tokens,
             self.logprobs,
             weight_version=self.weight_version,
