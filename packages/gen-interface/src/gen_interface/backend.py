@@ -96,6 +96,8 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         weights_absent: why there are no real weights yet (started without reading the
             checkpoint), or None.
         max_top_logprobs: the most ``top_logprobs`` a row may ask for; None: no limit.
+        routed_experts: ``(MoE layers, top_k)`` when the backend returns the model's routing
+            (``return_routed_experts``); None: the model has no MoE router it can read.
     """
 
     #: The level of the config holding the backend's own settings and its ``load_format``
@@ -113,9 +115,16 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         optional_weights: Collection[str] = (),
         weights_absent: str | None = None,
         max_top_logprobs: int | None = None,
+        routed_experts: tuple[int, int] | None = None,
     ):
+        if config.get("return_routed_experts") and routed_experts is None:
+            raise GenerationConfigError(
+                f"return_routed_experts is true but {type(self).__name__} finds no MoE router "
+                f"to read in model {config.get('model_name')!r}; set it to false"
+            )
         sweep_orphans()  # shared weights of trainers that died without closing them
         self.config = config
+        self.routing = routed_experts if config.get("return_routed_experts") else None
         self.max_top_logprobs = max_top_logprobs
         self.vocab_size = vocab_size
         self.context_limit = context_limit
@@ -158,7 +167,7 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         validate_generation_config(
             config, schema=cls.config_schema, foreign=cls.config_foreign_keys
         )
-        for setting in ("batch_invariant", "lm_head_fp32"):  # what only some backends offer
+        for setting in ("batch_invariant", "lm_head_fp32", "return_routed_experts"):
             if config.get(setting):
                 raise GenerationConfigError(
                     f"{setting} is true but {cls.__name__} does not offer it; use backend 'hf' "
@@ -204,6 +213,7 @@ class GenerationBackend(LoopCalls, GenerationInterface):
             cast(list[RowResult], list(rows)),
             self.config["pad_token_id"],
             call.sampling.max_top_logprobs,
+            self.routing,
         )
 
     async def generate_async(
@@ -220,7 +230,7 @@ class GenerationBackend(LoopCalls, GenerationInterface):
             async for index, row in self._stream_rows(call):
                 seen.add(index)
                 count.row(row)
-                yield index, build_row_output(call.prompts, index, row, pad, top_k)
+                yield index, build_row_output(call.prompts, index, row, pad, top_k, self.routing)
         check_every_row(seen, call.size)
 
     async def generate_stream(
@@ -238,21 +248,10 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         with self._running(call) as count:
             async for index, step in self._stream_events(call):
                 if isinstance(step, RowResult):  # the row ended: what was not streamed, and it
-                    new = slice(sent[index], None)
                     done.add(index)
                     count.row(step, index)
-                    tokens = list(step.token_ids[new])
-                    no_top: list[list[Any]] = [[] for _ in tokens]
-                    yield RowEvent(
-                        index,
-                        tokens,
-                        list(step.logprobs[new]),
-                        [list(x) for x in step.topk_ids[new]] if step.topk_ids else no_top,
-                        [list(x) for x in step.topk_logprobs[new]]
-                        if step.topk_logprobs
-                        else no_top,
-                        build_row_output(call.prompts, index, step, pad, top_k),
-                    )
+                    output = build_row_output(call.prompts, index, step, pad, top_k, self.routing)
+                    yield RowEvent.last(index, step, sent[index], output)
                 else:
                     sent[index] += len(step.token_ids)
                     count.token(index)
@@ -278,7 +277,7 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         )
         with self._lifecycle.generating(), self._lifecycle.breaks_on_fatal():
             rows = self._score_rows(batch, top_logprobs) if batch.sequences else []
-        return scatter_scores(batch, rows, top_logprobs)
+        return scatter_scores(batch, rows, top_logprobs, self.routing)
 
     def _new_call(self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool) -> GenerationCall:
         """Validate the batch and resolve every row's sampling, before anything runs."""

@@ -47,6 +47,7 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "max_weight_staleness": None,
     "batch_invariant": False,
     "lm_head_fp32": False,
+    "return_routed_experts": False,
 }
 
 #: Settings a backend can change between calls without reloading anything (vLLM takes them per

@@ -24,6 +24,7 @@ __all__ = [
     "build_generation_output",
     "build_row_output",
     "check_every_row",
+    "lay_out_routed_experts",
 ]
 
 #: Why a row ended: a stop token or string, the length limit (``max_new_tokens`` or the context
@@ -47,6 +48,9 @@ class RowResult:
         topk_ids: per generated token, the ids of its likeliest tokens (the row's
             ``top_logprobs`` of them, most likely first); None when the row asked for none.
         topk_logprobs: their logprobs, the same shape.
+        routed_experts: int ``[n, layers, top_k]``: the experts each MoE layer routed the
+            row's positions ``0 .. n - 1`` to (prompt, then generated tokens; every position
+            the model read); None when not asked for (``return_routed_experts``).
     """
 
     token_ids: Sequence[int]
@@ -57,6 +61,7 @@ class RowResult:
     cut_short: bool = False
     topk_ids: Sequence[Sequence[int]] | None = None
     topk_logprobs: Sequence[Sequence[float]] | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def ended(
@@ -69,6 +74,7 @@ class RowResult:
         weight_versions: Sequence[int] | None = None,
         topk_ids: Sequence[Sequence[int]] | None = None,
         topk_logprobs: Sequence[Sequence[float]] | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> RowResult:
         """The result of a row an engine reported as ended for ``finish_reason``.
 
@@ -91,6 +97,7 @@ class RowResult:
             cut_short=finish_reason == "abort",
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
+            routed_experts=routed_experts,
         )
 
     def __post_init__(self) -> None:
@@ -111,7 +118,11 @@ class RowResult:
 
 
 def build_generation_output(
-    prompts: PromptBatch, rows: Sequence[RowResult], pad_token_id: int, top_logprobs: int = 0
+    prompts: PromptBatch,
+    rows: Sequence[RowResult],
+    pad_token_id: int,
+    top_logprobs: int = 0,
+    routed_experts: tuple[int, int] | None = None,
 ) -> BatchedDataDict[GenerationOutputSpec]:
     """Lay out ``rows`` (one per prompt, in input order) as a ``GenerationOutputSpec`` batch.
 
@@ -120,14 +131,18 @@ def build_generation_output(
         rows: one result per prompt.
         pad_token_id: fills ``output_ids`` past each row's end.
         top_logprobs: ``K``, the width of the top-k fields (the most any row asked for).
+        routed_experts: ``(layers, top_k)`` of the model's routing when the call returns it
+            (``return_routed_experts``), else None.
 
     Returns:
         ``output_ids`` int64 ``[B, L]``, ``logprobs`` float32 ``[B, L]``, ``generation_lengths``
         and ``unpadded_sequence_lengths`` int64 ``[B]``, ``truncated`` and ``cut_short`` bool
         ``[B]``, ``weight_version`` int64 ``[B]`` and ``weight_versions`` int64 ``[B, L]`` (the
         version of each generated token, 0 elsewhere), ``topk_ids`` int64 and
-        ``topk_logprobs`` float32 ``[B, L, K]`` (-1 and 0.0 where nothing was asked), where
-        ``L = max_i(p_i + g_i)``. An empty batch gives every field with ``B = 0`` (and ``L = 0``).
+        ``topk_logprobs`` float32 ``[B, L, K]`` (-1 and 0.0 where nothing was asked), and with
+        ``routed_experts``, ``routed_experts`` int16 ``[B, L, layers, top_k]`` (-1 where the model
+        read no token), where ``L = max_i(p_i + g_i)``. An empty batch gives every field with
+        ``B = 0`` (and ``L = 0``).
     """
     if len(rows) != prompts.size:
         raise ValueError(f"{len(rows)} results for {prompts.size} prompts")
@@ -163,7 +178,7 @@ def build_generation_output(
             k = min(ids.shape[1], top_logprobs)
             topk_ids[i, start : start + count, :k] = ids[:, :k]
             topk_logprobs[i, start : start + count, :k] = values[:, :k]
-    return BatchedDataDict(
+    out: BatchedDataDict[GenerationOutputSpec] = BatchedDataDict(
         output_ids=output_ids,
         logprobs=logprobs,
         generation_lengths=generation_lengths,
@@ -175,14 +190,50 @@ def build_generation_output(
         topk_ids=topk_ids,
         topk_logprobs=topk_logprobs,
     )
+    if routed_experts is not None:
+        out["routed_experts"] = lay_out_routed_experts(
+            [r.routed_experts for r in rows], width, routed_experts
+        )
+    return out
+
+
+def lay_out_routed_experts(
+    per_row: Sequence[torch.Tensor | None], width: int, shape: tuple[int, int]
+) -> torch.Tensor:
+    """Per-row routed experts (row i: ``[n_i, layers, top_k]`` for positions ``0 .. n_i - 1``,
+    or None) as int16 ``[B, width, layers, top_k]``, -1 past each row's ``n_i``.
+
+    Raises:
+        GenerationError: a row's routing does not have the model's ``(layers, top_k)`` shape or
+            is longer than ``width`` (a backend fault: nothing is returned).
+    """
+    out = torch.full((len(per_row), width, *shape), -1, dtype=torch.int16)
+    for i, experts in enumerate(per_row):
+        if experts is None:
+            continue
+        if tuple(experts.shape[1:]) != shape or experts.shape[0] > width:
+            raise GenerationError(
+                f"the backend's routed experts for row {i} have shape {tuple(experts.shape)}; "
+                f"expected [<= {width}, {shape[0]}, {shape[1]}]: its routing capture is out of "
+                "step with the model"
+            )
+        out[i, : experts.shape[0]] = experts.to(torch.int16)
+    return out
 
 
 def build_row_output(
-    prompts: PromptBatch, index: int, row: RowResult, pad_token_id: int, top_logprobs: int = 0
+    prompts: PromptBatch,
+    index: int,
+    row: RowResult,
+    pad_token_id: int,
+    top_logprobs: int = 0,
+    routed_experts: tuple[int, int] | None = None,
 ) -> BatchedDataDict[GenerationOutputSpec]:
     """The one-row output of row ``index`` (what ``generate_async`` yields), ``L = p_i + g_i``;
-    ``top_logprobs`` as for ``build_generation_output`` (the call's ``K``)."""
-    return build_generation_output(prompts.select([index]), [row], pad_token_id, top_logprobs)
+    ``top_logprobs`` and ``routed_experts`` as for ``build_generation_output``."""
+    return build_generation_output(
+        prompts.select([index]), [row], pad_token_id, top_logprobs, routed_experts
+    )
 
 
 def check_every_row(present: Collection[int], count: int) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.errors import GenerationInputError
+from gen_interface.outputs import lay_out_routed_experts
 from gen_interface.specs import ScoreOutputSpec
 
 __all__ = [
@@ -47,11 +48,14 @@ class ScoredRow:
         topk_ids: int64 ``[g, k]``: the k likeliest tokens at each response position, most
             likely first (``k = 0`` when none were asked for).
         topk_logprobs: float32 ``[g, k]``: their raw log-probabilities.
+        routed_experts: int ``[p + g, layers, top_k]``: the experts every MoE layer routed each
+            position of the sequence to; None when not asked for.
     """
 
     logprobs: torch.Tensor
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
 
 def scored_row(log_probs: torch.Tensor, targets: torch.Tensor, top_logprobs: int) -> ScoredRow:
@@ -150,10 +154,14 @@ def _lengths(data: Mapping[str, Any], key: str, batch: int) -> list[int]:
 
 
 def scatter_scores(
-    batch: ScoreBatch, rows: Sequence[ScoredRow], top_logprobs: int
+    batch: ScoreBatch,
+    rows: Sequence[ScoredRow],
+    top_logprobs: int,
+    routed_experts: tuple[int, int] | None = None,
 ) -> BatchedDataDict[ScoreOutputSpec]:
     """Lay per-row scores out as a ``ScoreOutputSpec`` batch (``scatter_response_logprobs`` for
-    the logprobs; the top-k fields ``[B, L, top_logprobs]``, -1 and 0.0 outside responses)."""
+    the logprobs; the top-k fields ``[B, L, top_logprobs]``, -1 and 0.0 outside responses; with
+    ``routed_experts`` = ``(layers, top_k)``, the routing ``[B, L, layers, top_k]``)."""
     count = len(batch.sequences)
     ids = torch.full((count, batch.width, top_logprobs), -1, dtype=torch.int64)
     values = torch.zeros((count, batch.width, top_logprobs), dtype=torch.float32)
@@ -162,8 +170,12 @@ def scatter_scores(
         k = min(top_logprobs, row.topk_ids.shape[-1]) if g else 0
         ids[i, start : start + g, :k] = row.topk_ids[:, :k]
         values[i, start : start + g, :k] = row.topk_logprobs[:, :k]
-    return BatchedDataDict(
+    out: BatchedDataDict[ScoreOutputSpec] = BatchedDataDict(
         logprobs=scatter_response_logprobs(batch, [row.logprobs for row in rows]),
         topk_ids=ids,
         topk_logprobs=values,
     )
+    if routed_experts is not None:
+        per_row = [row.routed_experts for row in rows]
+        out["routed_experts"] = lay_out_routed_experts(per_row, batch.width, routed_experts)
+    return out

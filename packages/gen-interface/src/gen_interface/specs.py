@@ -69,6 +69,9 @@ class GenerationConfig(TypedDict, total=False):
     # runs in bfloat16 or float16, as prime-rl and PipelineRL do to bring rollout and trainer
     # logprobs together; float32 models run unchanged. Default False.
     lm_head_fp32: bool
+    # True (an MoE model only): outputs carry routed_experts, the experts each position's
+    # tokens were routed to in every MoE layer, for routing replay in the trainer. Default False.
+    return_routed_experts: bool
 
 
 class GenerationDatumSpec(TypedDict):
@@ -122,6 +125,11 @@ class GenerationOutputSpec(TypedDict):
     # likely first; -1 elsewhere and past k_i. float32 [B, L, K]: their logprobs; 0.0 elsewhere.
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
+    # Only with return_routed_experts. int16 [B, L, layers, top_k]: at every position the model
+    # read (the prompt and every generated token but the last, which was sampled, never fed),
+    # the ids of the top_k experts each MoE layer routed that token to, highest router weight
+    # first; -1 at the last generated token and past the row's end.
+    routed_experts: NotRequired[torch.Tensor]
 
 
 class ScoreSpec(TypedDict):
@@ -142,3 +150,6 @@ class ScoreOutputSpec(TypedDict):
     logprobs: torch.Tensor  # float32 [B, L]: p_i + j holds response token j's; else 0.0
     topk_ids: torch.Tensor  # int64 [B, L, k]: the k likeliest tokens at p_i + j; else -1
     topk_logprobs: torch.Tensor  # float32 [B, L, k]; else 0.0
+    # Only with return_routed_experts. int16 [B, L, layers, top_k]: the experts of every
+    # position of the sequence (all were read); -1 past the row's end.
+    routed_experts: NotRequired[torch.Tensor]

@@ -192,6 +192,7 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "max_weight_staleness": st.none() | st.integers(0, 10**6),
             "batch_invariant": st.booleans(),
             "lm_head_fp32": st.booleans(),
+            "return_routed_experts": st.booleans(),
         },
         "colocated": {"enabled": st.booleans()},
     }

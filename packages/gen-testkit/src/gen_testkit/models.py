@@ -31,7 +31,7 @@ __all__ = [
     "model_cache_dir",
 ]
 
-Architecture = Literal["qwen2", "llama"]
+Architecture = Literal["qwen2", "llama", "qwen3_moe"]
 
 _FORMAT = 2  # bump when the build recipe changes, so old caches are not reused (2: chat template)
 _SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
@@ -57,6 +57,11 @@ class TinyModelSpec:
     init_std: float = 0.15
     seed: int = 0
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix (most small RL models)
+    # qwen3_moe only: every layer's MLP is num_experts experts of moe_intermediate_size, of which
+    # a router picks num_experts_per_tok per token (softmax, then top-k, weights renormalised).
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
 
     def __post_init__(self) -> None:
         head_dim, rest = divmod(self.hidden_size, self.num_attention_heads)
@@ -65,6 +70,11 @@ class TinyModelSpec:
                 "hidden_size / num_attention_heads must be an integer >= 32 (vLLM's CPU "
                 f"attention refuses smaller heads), got "
                 f"{self.hidden_size}/{self.num_attention_heads}"
+            )
+        if (self.architecture == "qwen3_moe") != (self.num_experts > 0):
+            raise ValueError(
+                f"num_experts must be > 0 exactly for architecture 'qwen3_moe', got "
+                f"{self.num_experts} for {self.architecture!r}"
             )
         if self.vocab_size < 320:
             raise ValueError(
@@ -78,6 +88,9 @@ class TinyModelSpec:
         fields = dataclasses.asdict(self)
         if not fields["tie_word_embeddings"]:  # keys of specs from before the field stay put
             del fields["tie_word_embeddings"]
+        if not fields["num_experts"]:  # nor do dense specs' keys change with the MoE fields
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                del fields[name]
         blob = json.dumps({"format": _FORMAT, **fields}, sort_keys=True)
         return f"{self.architecture}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
@@ -89,9 +102,13 @@ class TinyModelSpec:
             self.num_hidden_layers,
         )
         kv = h // self.num_attention_heads * self.num_key_value_heads
-        attn = h * h * 2 + h * kv * 2 + (h + 2 * kv if self.architecture == "qwen2" else 0)
+        biases = {"qwen2": h + 2 * kv, "qwen3_moe": 2 * (h // self.num_attention_heads)}
+        attn = h * h * 2 + h * kv * 2 + biases.get(self.architecture, 0)
         embeddings = (1 if self.tie_word_embeddings else 2) * v * h
-        return embeddings + n * (attn + 3 * h * i + 2 * h) + h
+        mlp = 3 * h * i
+        if self.num_experts:  # the experts, and the router's [experts, hidden] matrix
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        return embeddings + n * (attn + mlp + 2 * h) + h
 
 
 #: Named specs used across the project's tests, benchmarks and the parity command.
@@ -128,6 +145,11 @@ PRESETS: dict[str, TinyModelSpec] = {
 # About 160M parameters (0.64 GB in float32): bench-250m with half its layers, the smaller model
 # of the refit benchmark.
 PRESETS["bench-160m"] = dataclasses.replace(PRESETS["bench-250m"], num_hidden_layers=8)
+# A mixture of experts (Qwen3-MoE: 8 experts of which each token takes 2, in each of 2 layers):
+# the model routed-expert outputs are checked on.
+PRESETS["tiny-qwen3-moe"] = TinyModelSpec(
+    architecture="qwen3_moe", seed=3, num_experts=8, num_experts_per_tok=2
+)
 
 
 @dataclass(frozen=True)
@@ -196,10 +218,27 @@ def build_tiny_model(
 
 
 def _write_model(spec: TinyModelSpec, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3MoeConfig,
+    )
 
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[spec.architecture]
-    config = config_cls(
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
+    moe = (
+        {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "head_dim": spec.hidden_size // spec.num_attention_heads,
+        }
+        if spec.num_experts
+        else {}
+    )
+    config = config_cls[spec.architecture](
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -212,12 +251,17 @@ def _write_model(spec: TinyModelSpec, out: Path) -> None:
         bos_token_id=1,
         eos_token_id=2,
         dtype="float32",
+        **moe,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             param.copy_(_draw(spec, name, param.shape))
     model.save_pretrained(out, safe_serialization=True)
+    if spec.num_experts:  # transformers writes num_local_experts; vLLM reads num_experts
+        written = json.loads((out / "config.json").read_text())
+        written["num_experts"] = spec.num_experts
+        (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True))
     GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2).save_pretrained(out)
     _write_tokenizer(spec, out)
 

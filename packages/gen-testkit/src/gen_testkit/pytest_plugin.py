@@ -76,3 +76,9 @@ def tiny_qwen2_tied(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
     """The ``tiny-qwen2-tied`` preset: ``tiny-qwen2``'s shape with ``lm_head`` tied to the
     embeddings, so its checkpoint holds no ``lm_head.weight``."""
     return tiny_model("tiny-qwen2-tied")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
+    """The ``tiny-qwen3-moe`` preset: Qwen3-MoE, 2 layers of 8 experts, top-2, float32."""
+    return tiny_model("tiny-qwen3-moe")

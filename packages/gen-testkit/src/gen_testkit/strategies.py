@@ -143,6 +143,7 @@ def generation_configs(
         "max_weight_staleness": draw(st.one_of(st.none(), st.integers(0, 8))),
         "batch_invariant": False,
         "lm_head_fp32": False,
+        "return_routed_experts": False,
     }
 
 
@@ -166,6 +167,7 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "max_weight_staleness": [-1, 1.5, "2", True],
     "batch_invariant": ["yes", 1, None],
     "lm_head_fp32": ["yes", 1, None],
+    "return_routed_experts": ["yes", 1, None],
 }
 
 
