@@ -42,6 +42,7 @@ from gen_hf.loading import (
     move_model,
     resolve_device,
 )
+from gen_hf.routing import routing_capture
 from gen_hf.score import score_sequences
 from gen_hf.weights import model_tensor_specs, tied_aliases, write_weights
 
@@ -98,6 +99,7 @@ class HfGeneration(InProcessBackend):
         self._loaded: LoadedModel | None = load_model(config, self._device)
         if config.get("batch_invariant", False):
             use_batch_invariant_kernels(self._loaded.model)
+        self._routing = routing_capture(self._loaded.model, config)
         self._max_batch_size = int(hf_cfg["max_batch_size"])
         self._offload_on_finish = self._device.type == "cuda" and config["colocated"]["enabled"]
         self._targets: dict[str, torch.Tensor] | None = None
@@ -109,6 +111,7 @@ class HfGeneration(InProcessBackend):
             model_specs=model_tensor_specs(self._loaded.model),
             optional_weights=tied_aliases(self._loaded.model),
             weights_absent=DUMMY_WEIGHTS if hf_cfg["load_format"] == "dummy" else None,
+            routed_experts=None if self._routing is None else self._routing.shape,
         )
 
     @classmethod
@@ -183,6 +186,7 @@ class HfGeneration(InProcessBackend):
             gate=self.gate,
             mark=self.gate.enter(),
             control=control,
+            routing=self._routing,
         )
         return decode_batch(
             self._model(),
@@ -200,6 +204,7 @@ class HfGeneration(InProcessBackend):
                 device=self._device,
                 max_batch_size=self._max_batch_size,
                 top_logprobs=top_logprobs,
+                routing=self._routing,
             )
 
     # ---- life cycle --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ that only finished rows needed, so they stop costing compute.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from transformers import DynamicCache
 
 from gen_hf.cache import drop_leading_columns, new_group_cache
 from gen_hf.loading import LoadedModel
+from gen_hf.routing import RouterCapture
 
 __all__ = ["DecodeCall", "decode_batch", "decode_rows", "forward_errors"]
 
@@ -43,6 +45,7 @@ class DecodeCall:
         gate: steps take turns with weight updates through it.
         mark: ``gate.enter()`` when the call began (an ``"abort"`` update after it cuts it).
         control: who hears of finished rows, and the flag that ends the call early.
+        routing: reads each pass's MoE routing, for rows' ``routed_experts``; None: not asked.
     """
 
     sampling: BatchSampling
@@ -51,6 +54,7 @@ class DecodeCall:
     gate: StepGate
     mark: int
     control: RowControl
+    routing: RouterCapture | None = None
 
     def finished(self, row: int, result: RowResult) -> RowResult:
         return self.control.finished(row, result)
@@ -153,8 +157,11 @@ def decode_rows(
         if ticket.cut:
             cut = RowResult.ended("abort", [], [], weight_version=ticket.version)
             return [call.finished(r, cut) for r in rows]
+        if call.routing is not None:
+            call.routing.clear()  # what a failed pass of another group may have left
         logits = _forward(loaded, input_ids, mask[:, :width], positions, cache)
         start_version = version = ticket.version  # of the weights behind ``logits``
+        routed = _RoutedRows.after_prefill(call.routing, lengths, width)
     next_position = positions[:, -1] + 1  # [A]
     leading_pads = [width - n for n in lengths]
     generator_of = [call.generators[r] for r in rows]
@@ -166,7 +173,8 @@ def decode_rows(
     results: list[RowResult | None] = [None] * count
 
     def finish(a: int, reason: str) -> None:
-        results[a] = call.finished(rows[a], generated.ended(a, reason, start_version))
+        result = generated.ended(a, reason, start_version)
+        results[a] = call.finished(rows[a], routed.attach(a, result))
 
     active = list(range(count))  # group-local index of each row still running, batch order
     while True:
@@ -210,8 +218,39 @@ def decode_rows(
                 loaded, tokens[:, None], mask[:, :width], next_position[:, None], cache
             )
             version = ticket.version
+            routed.after_step(active)
         next_position = next_position + 1
     return [r for r in results if r is not None]
+
+
+class _RoutedRows:
+    """Each row's routing so far, from the passes of one group (nothing without a capture)."""
+
+    def __init__(self, capture: RouterCapture | None, per_row: list[list[torch.Tensor]]):
+        self._capture = capture
+        self._per_row = per_row  # row a: pieces of [positions, layers, k], in position order
+
+    @classmethod
+    def after_prefill(
+        cls, capture: RouterCapture | None, lengths: Sequence[int], width: int
+    ) -> _RoutedRows:
+        """The prompts' routing, read from the left-padded prefill (padding dropped)."""
+        if capture is None:
+            return cls(None, [])
+        prefill = capture.take(len(lengths))  # [A, width, layers, k]
+        return cls(capture, [[prefill[a, width - n :]] for a, n in enumerate(lengths)])
+
+    def after_step(self, active: Sequence[int]) -> None:
+        """The routing of one decode step, which read one token of each ``active`` row."""
+        if self._capture is not None:
+            step = self._capture.take(len(active))  # [A_active, 1, layers, k]
+            for slot, a in enumerate(active):
+                self._per_row[a].append(step[slot])
+
+    def attach(self, a: int, result: RowResult) -> RowResult:
+        if self._capture is None:
+            return result
+        return dataclasses.replace(result, routed_experts=torch.cat(self._per_row[a]))
 
 
 def _forward(

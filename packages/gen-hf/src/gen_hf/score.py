@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from gen_interface.scoring import ScoreBatch, ScoredRow, scored_row
 
 from gen_hf.decode import forward_errors
 from gen_hf.loading import LoadedModel
+from gen_hf.routing import RouterCapture
 
 __all__ = ["score_sequences"]
 
@@ -18,6 +21,7 @@ def score_sequences(
     device: torch.device,
     max_batch_size: int,
     top_logprobs: int = 0,
+    routing: RouterCapture | None = None,
 ) -> list[ScoredRow]:
     """Raw ``log_softmax`` of the model's logits at every response token, and the
     ``top_logprobs`` likeliest tokens there.
@@ -30,6 +34,7 @@ def score_sequences(
         batch: validated sequences (``normalize_score_input``).
         device: the model's device.
         max_batch_size: most rows per forward pass.
+        routing: when given, each row's ``routed_experts`` at every position it read.
 
     Returns:
         Per row i, its ``ScoredRow`` on the CPU: the log-probability of response token j given
@@ -39,7 +44,9 @@ def score_sequences(
         GenerationError: a forward pass failed (out of memory, a kernel error).
     """
     with torch.inference_mode(), forward_errors():
-        return _score_groups(loaded, batch, device, max_batch_size, top_logprobs)
+        if routing is not None:
+            routing.clear()
+        return _score_groups(loaded, batch, device, max_batch_size, top_logprobs, routing)
 
 
 def _score_groups(
@@ -48,6 +55,7 @@ def _score_groups(
     device: torch.device,
     max_batch_size: int,
     top_logprobs: int,
+    routing: RouterCapture | None,
 ) -> list[ScoredRow]:
     out: list[ScoredRow] = []
     for start in range(0, len(batch.sequences), max_batch_size):
@@ -62,8 +70,12 @@ def _score_groups(
         logits = loaded.model(
             input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
         ).logits  # [G, width, V]
+        routed = None if routing is None else routing.take(len(group))  # [G, width, layers, k]
         for i, sequence in enumerate(group):
             p, total = prompt_lengths[i], len(sequence)
             rows = logits[i, p - 1 : total - 1].float().log_softmax(dim=-1)  # [g_i, V]
-            out.append(scored_row(rows, ids[i, p:total], top_logprobs))
+            row = scored_row(rows, ids[i, p:total], top_logprobs)
+            if routed is not None:
+                row = dataclasses.replace(row, routed_experts=routed[i, :total])
+            out.append(row)
     return out
