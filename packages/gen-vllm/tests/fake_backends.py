@@ -34,7 +34,18 @@ class FakeBackends:
         self._made.append(cluster)
         return cluster
 
-    def backend(self, cluster, model, *, colocated=False, name_prefix="fake", faults=None, **cfg):
+    def backend(
+        self,
+        cluster,
+        model,
+        *,
+        colocated=False,
+        name_prefix="fake",
+        faults=None,
+        extra=None,
+        **cfg,
+    ):
+        """A fake-engine backend; ``cfg`` is its ``vllm_cfg``, ``extra`` other config keys."""
         from gen_vllm import VllmGeneration
 
         config = conformance_config(
@@ -43,6 +54,7 @@ class FakeBackends:
             vocab_size=512,
             colocated={"enabled": colocated},
             vllm_cfg=cfg,
+            **(extra or {}),
         )
         backend = VllmGeneration(
             cluster,

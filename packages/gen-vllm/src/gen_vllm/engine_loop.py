@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -40,6 +41,7 @@ class _Pending:
     """A request in the engine and what it has produced so far."""
 
     future: asyncio.Future[RowOutput]
+    request_id: str
     stream: bool = False
     output: RowOutput = field(default_factory=RowOutput)
 
@@ -72,6 +74,7 @@ class EngineLoop:
         self._stopped = False
         self._failure: str | None = None
         self._version = 0
+        self._routing = False  # requests read no prefix cache; rows carry their routing
         #: New tokens of the rows that stream, step by step.
         self.feed = TokenFeed()
         built: concurrent.futures.Future[EngineProtocol] = concurrent.futures.Future()
@@ -89,8 +92,11 @@ class EngineLoop:
 
         def add() -> None:
             self._check_usable()
-            self.engine.add_request(request.request_id, request.prompt, request.params)
-            self._pending[request.request_id] = _Pending(future, request.stream)
+            params = request.params
+            if self._routing:  # a position read from the cache would have no routing
+                params = {**params, "skip_reading_prefix_cache": True}
+            self.engine.add_request(request.request_id, request.prompt, params)
+            self._pending[request.request_id] = _Pending(future, request.request_id, request.stream)
 
         try:
             await self.call(add)
@@ -152,6 +158,13 @@ class EngineLoop:
         ids = list(self._pending)
         self._abort(ids, report=True)
         return len(ids)
+
+    def capture_routing(self) -> list[int] | str:
+        """Read every request's MoE routing from now on: ``[layers, top_k, experts]``, or why
+        the engine cannot (see ``UpdatableVllmInternalWorker.capture_routed_experts``)."""
+        shape: list[int] | str = self.engine.collective_rpc("capture_routed_experts")[0]
+        self._routing = not isinstance(shape, str)
+        return shape
 
     def set_version(self, version: int) -> None:
         """Tokens produced from now on come from weights ``version``."""
@@ -289,14 +302,28 @@ class EngineLoop:
             if report:
                 pending.output.finish_reason = "abort"
                 self._finish(pending)
+        if not report:
+            self._take_routing(live)
 
     def _finish(self, pending: _Pending) -> None:
         out = pending.output
         out.weight_version = out.weight_versions[0] if out.weight_versions else self._version
+        out.routed_experts = self._take_routing([pending.request_id]).get(pending.request_id)
         _resolve(pending.future, out)
+
+    def _take_routing(self, request_ids: list[str]) -> dict[str, bytes]:
+        """The routing of ended requests (forgotten by the worker); nothing when not read."""
+        if not self._routing or not request_ids:
+            return {}
+        taken: dict[str, bytes] = self.engine.collective_rpc("take_routed_experts", (request_ids,))[
+            0
+        ]
+        return taken
 
     def _fail_all(self, reason: str, error: type[GenerationError] = GenerationError) -> None:
         pending, self._pending = self._pending, {}
+        with contextlib.suppress(Exception):  # an engine that failed may not answer
+            self._take_routing(list(pending))
         for item in pending.values():
             _fail(item.future, error(f"vLLM engine: {reason}"))
 

@@ -55,6 +55,22 @@ class UpdatableVllmInternalWorker:
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
 
+    def capture_routed_experts(self) -> list[int] | str:
+        """Start reading every forward's MoE routing (``gen_vllm.routing``): returns
+        ``[MoE layers, top_k, experts per layer]``, or why it cannot (no MoE layer, ...)."""
+        from gen_vllm.routing import RoutingCapture
+
+        try:
+            capture = self._gen_routing = RoutingCapture(self.model_runner)
+        except ValueError as exc:
+            return str(exc)
+        return [capture.layers, capture.top_k, capture.experts]
+
+    def take_routed_experts(self, request_ids: list[str]) -> dict[str, bytes]:
+        """The routing of finished requests, by request id (``RoutingCapture.take``)."""
+        capture = getattr(self, "_gen_routing", None)
+        return {} if capture is None else capture.take(request_ids)
+
     def weight_update_report(self, compared: bool = True) -> UpdateReport:
         """After ``finish_weight_update``: this rank's account of the update.
 

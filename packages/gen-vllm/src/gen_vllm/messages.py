@@ -75,6 +75,9 @@ class RowOutput:
     prompt_topk_ids: list[list[int]] | None = None  # [p - 1][k], scoring requests with top-k
     prompt_topk_logprobs: list[list[float]] | None = None  # [p - 1][k]
     cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache
+    # with return_routed_experts: [positions read, layers, top_k] in the wire dtype
+    # (gen_vllm.routing.read_routing)
+    routed_experts: bytes | None = None
 
 
 class ScoredTokens(TypedDict):
@@ -83,6 +86,7 @@ class ScoredTokens(TypedDict):
     logprobs: list[float]  # [g]: each response token's raw logprob
     topk_ids: list[list[int]]  # [g][k] (empty lists when k = 0)
     topk_logprobs: list[list[float]]  # [g][k]
+    routed_experts: bytes | None  # every position's routing, as RowOutput's (None: not asked)
 
 
 class WorkerInfo(TypedDict):

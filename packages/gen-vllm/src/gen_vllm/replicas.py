@@ -158,6 +158,15 @@ class ReplicaSet:
             [a.wake_up.remote(tags) for a in self.actors], self.timeouts.control_s, "wake_up"
         )
 
+    def capture_routed_experts(self) -> list[list[int] | str]:
+        """Every replica returns its rows' MoE routing from now on: each one's
+        ``[layers, top_k, experts]``, or why it cannot."""
+        return self._wait(
+            [a.capture_routed_experts.remote() for a in self.actors],
+            self.timeouts.control_s,
+            "capture_routed_experts",
+        )
+
     def reset_prefix_cache(self) -> list[bool]:
         """Drop every replica's cached prefixes; each one's answer (False while rows hold
         blocks)."""

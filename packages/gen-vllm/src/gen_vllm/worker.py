@@ -117,6 +117,11 @@ class VllmGenerationWorker:
             )
         return self._info
 
+    async def capture_routed_experts(self) -> list[int] | str:
+        """Return every row's MoE routing from now on: ``[layers, top_k, experts]``, or why
+        this engine cannot."""
+        return await self._loop.call(self._loop.capture_routing)
+
     async def rows_in_flight(self) -> int:
         """Rows this replica's engine holds now (running, queued or paused)."""
         return self._loop.in_flight
@@ -148,6 +153,7 @@ class VllmGenerationWorker:
                 logprobs=(out.prompt_logprobs or [])[start - 1 :],
                 topk_ids=(out.prompt_topk_ids or [])[start - 1 :],
                 topk_logprobs=(out.prompt_topk_logprobs or [])[start - 1 :],
+                routed_experts=out.routed_experts,
             )
             for out, start in zip(outputs, prompt_lengths)
         ]
