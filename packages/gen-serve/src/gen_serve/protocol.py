@@ -272,6 +272,9 @@ class GenerateSampling(SamplingFields):
     output_kind: Any = None
     extra_args: dict[str, Any] | None = None
     flat_logprobs: bool = False
+    # routed experts leave out this many leading prompt positions (a later turn of a
+    # conversation asks only for what is new)
+    routed_experts_prompt_start: int = Field(0, ge=0)
 
     def extras(self) -> RowExtras:
         """This server's keys of ``extra_args`` (vLLM leaves the dict to plugins; other keys

@@ -7,11 +7,15 @@ request asks for ``return_tokens_as_token_ids``.
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from gen_serve.codec import TextCodec
 from gen_serve.runner import RowOutcome
@@ -23,6 +27,7 @@ __all__ = [
     "generate_logprobs",
     "new_id",
     "ranked",
+    "routed_experts_b64",
     "row_text",
     "token_string",
     "usage",
@@ -229,3 +234,13 @@ def weight_version_spans(versions: Sequence[int]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": str(version), "start": i, "end": i + 1})
     return spans
+
+
+def routed_experts_b64(routing: np.ndarray) -> str:
+    """A row's routed experts as vLLM's token route sends them: base64 of the ``.npy`` bytes of
+    ``[positions, layers, top_k]``, uint8 while every id fits, else uint16 (decode:
+    ``np.load(io.BytesIO(base64.b64decode(s)))``)."""
+    compact = routing.astype(np.uint8 if routing.size == 0 or routing.max() < 256 else np.uint16)
+    with io.BytesIO() as buffer:
+        np.save(buffer, compact, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")

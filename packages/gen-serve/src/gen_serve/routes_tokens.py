@@ -28,6 +28,7 @@ from gen_serve.responses import (
     created,
     generate_logprobs,
     new_id,
+    routed_experts_b64,
     row_text,
     weight_version_spans,
 )
@@ -184,6 +185,9 @@ def _generate_choice(
         choice["logprobs"] = generate_logprobs(outcome, top_k=params.logprobs, start=start)
     if final:
         choice["weight_version"] = outcome.weight_version
+        if outcome.routed_experts is not None:
+            start = params.routed_experts_prompt_start
+            choice["routed_experts"] = routed_experts_b64(outcome.routed_experts[start:])
     return choice
 
 

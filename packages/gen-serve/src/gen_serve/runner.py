@@ -37,6 +37,8 @@ class RowOutcome:
     stop_reason: int | str | None = None
     weight_version: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    # int16 [prompt + generated - 1, layers, top_k] when the backend returns routed experts
+    routed_experts: Any = None
 
     def take(self, event: RowEvent) -> None:
         self.token_ids.extend(event.token_ids)
@@ -154,6 +156,9 @@ class Runner:
         outcome.weight_version = int(output["weight_version"][0])
         start = int(output["unpadded_sequence_lengths"][0] - output["generation_lengths"][0])
         outcome.weight_versions = output["weight_versions"][0, start:].tolist()
+        if "routed_experts" in output:  # every position the model read: all but the last
+            read = int(output["unpadded_sequence_lengths"][0]) - 1
+            outcome.routed_experts = output["routed_experts"][0, :read].numpy()
         if bool(output["truncated"][0]):
             outcome.finish_reason = "length"
         elif bool(output["cut_short"][0]):
