@@ -84,6 +84,7 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
             has_tokenizer=self.server.has_tokenizer,
             model_specs=None,
             max_top_logprobs=self.server.max_top_logprobs - 1,  # one deeper is asked: see rows
+            routed_experts=self.server.routed_experts,
         )
 
     @classmethod
@@ -268,7 +269,7 @@ def _check_against_server(config: Mapping[str, Any], server: ServerInfo) -> None
 
 
 #: Settings of the server's backend, not of a request: the client's must equal them.
-_THE_SERVERS = ("logprobs_mode", "batch_invariant", "lm_head_fp32")
+_THE_SERVERS = ("logprobs_mode", "batch_invariant", "lm_head_fp32", "return_routed_experts")
 
 
 _NO_STALENESS = (

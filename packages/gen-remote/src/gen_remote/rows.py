@@ -11,6 +11,8 @@ the number asked, so a chosen token outside the top k would push the k-th out.
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,7 +108,20 @@ def scored_row_from_answer(
         torch.tensor(logprobs, dtype=torch.float32),
         torch.tensor(ids, dtype=torch.int64).reshape(g, top_logprobs),
         torch.tensor(values, dtype=torch.float32).reshape(g, top_logprobs),
+        routed_experts_of((answer.get("choices") or [{}])[0]),
     )
+
+
+def routed_experts_of(choice: Mapping[str, Any]) -> torch.Tensor | None:
+    """A final choice's ``routed_experts`` (base64 of a ``.npy``, as vLLM sends them) as int16
+    ``[positions, layers, top_k]``; None when it has none."""
+    encoded = choice.get("routed_experts")
+    if not encoded:
+        return None
+    import numpy as np  # only where a server sends routing
+
+    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    return torch.from_numpy(array.astype(np.int16))
 
 
 class RowAssembly:
@@ -125,6 +140,7 @@ class RowAssembly:
         self.finish_reason: str | None = None
         self.weight_version = 0
         self.weight_versions: list[int] | None = None
+        self.routed_experts: torch.Tensor | None = None
 
     def add(self, index: int, choice: Mapping[str, Any]) -> RowEvent:
         """Take one choice of the stream; returns its new tokens as an event of row ``index``.
@@ -156,6 +172,7 @@ class RowAssembly:
         self.topk_logprobs += event.topk_logprobs
         if choice.get("finish_reason") is not None:
             self.finish_reason = str(choice["finish_reason"])
+            self.routed_experts = routed_experts_of(choice)
             spans = choice.get("weight_versions") or []
             version = _version(choice.get("weight_version"))
             if version is not None and all(_version(s["version"]) is not None for s in spans):
@@ -187,6 +204,7 @@ class RowAssembly:
             weight_versions=self.weight_versions,
             topk_ids=self.topk_ids if self.top_logprobs else None,
             topk_logprobs=self.topk_logprobs if self.top_logprobs else None,
+            routed_experts=self.routed_experts,
         )
 
 

@@ -33,6 +33,8 @@ class ServerInfo:
         eos_token_id: the model's end of sequence, when known.
         has_tokenizer: the server can tokenise (stop strings, ``generate_text``).
         weight_routes, control_routes: the server serves them.
+        routed_experts: ``(MoE layers, top_k)`` when the server's rows carry their routed
+            experts, else None.
     """
 
     dialect: str
@@ -48,6 +50,7 @@ class ServerInfo:
     has_tokenizer: bool = True
     weight_routes: bool = False
     control_routes: bool = False
+    routed_experts: tuple[int, int] | None = None
 
     @classmethod
     def fetch(cls, wire: Wire, dialect: str) -> ServerInfo:
@@ -81,6 +84,7 @@ class ServerInfo:
                     has_tokenizer=bool(info["has_tokenizer"]),
                     weight_routes=bool(info["weight_routes"]),
                     control_routes=bool(info["control_routes"]),
+                    routed_experts=_pair(info.get("routed_experts")),
                 )
         models = wire.call("GET", "/v1/models").get("data") or []
         if not models:
@@ -141,3 +145,7 @@ class ServerInfo:
             batch_invariant=bool(self.config.get("batch_invariant")),
             notes=tuple(notes),
         )
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    return None if value is None else (int(value[0]), int(value[1]))

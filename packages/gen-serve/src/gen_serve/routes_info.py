@@ -87,6 +87,8 @@ def info_router(state: ServerState) -> APIRouter:
             "weight_routes": state.settings.weight_routes,
             "weight_version": backend.weight_version,
             "state": backend.state,
+            # (MoE layers, top_k) when every row's choice carries its routed experts
+            "routed_experts": getattr(backend, "routing", None),
         }
 
     @router.get("/metrics")
