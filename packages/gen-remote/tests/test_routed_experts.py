@@ -1,6 +1,7 @@
 """Routed experts over the wire: a ``remote`` client of a server whose backend returns them
-returns what that backend returns in process (generate, greedy and sampled, and score), and
-asking for them of a server that returns none is refused by name."""
+passes the testkit's routing properties and returns exactly what that backend returns in
+process (generate, greedy and sampled, and score); asking for them of a server that returns
+none is refused by name."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationConfigError, create_generation_backend
+from gen_testkit.conformance import ConformanceSubject, conformance_config
 from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
+from gen_testkit.suite.routed_experts import RoutedExpertsProperties
 from remote_servers import remote_config
 from servers import ServerThread, hf_backend, serve
 
@@ -32,6 +35,34 @@ def client(moe_server: ServerThread) -> Iterator[Any]:
     backend = create_generation_backend(remote_config(moe_server, max_new_tokens=8))
     yield backend
     backend.shutdown()
+
+
+class TestOverHf(RoutedExpertsProperties):
+    """The testkit's routing properties through the client."""
+
+    claims_score = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(
+        cls, moe_server: ServerThread, tiny_qwen3_moe: TinyModel
+    ) -> Iterator[ConformanceSubject]:
+        config = conformance_config(
+            backend="remote",
+            model_name="tiny",  # the server's name for it
+            vocab_size=tiny_qwen3_moe.vocab_size,
+            remote_cfg={"base_url": moe_server.url},
+        )
+        subject = ConformanceSubject(create_generation_backend(config), tiny_qwen3_moe.vocab_size)
+        yield subject
+        subject.backend.shutdown()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reference_model(cls, tiny_qwen3_moe: TinyModel) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_moe.path), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

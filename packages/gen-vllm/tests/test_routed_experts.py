@@ -1,9 +1,9 @@
 """``return_routed_experts`` on vLLM (CPU: read in the worker, ``gen_vllm.routing``), checked
 against transformers' own routers and across backends on the tiny MoE preset.
 
-- Greedy and sampled rows: every position vLLM read routes as transformers routes the row's
-  tokens (one pass, no cache), except where the router's k-th and (k+1)-th logits are within
-  the near-tie margin (counted, like greedy near-ties).
+- The testkit's routing properties: every position vLLM read, greedy or sampled, generated or
+  scored, routes as transformers routes the row's tokens (one pass, no cache), except where the
+  router's k-th and (k+1)-th logits are within the near-tie margin.
 - Sampled rows of each backend, teacher-forced through the other's ``score``: the same experts.
 - A prompt served twice (the prefix cache holds it the second time) routes the same, whole.
 - Refused cleanly: without ``enforce_eager``, and on an engine with no MoE layer.
@@ -16,18 +16,18 @@ import time
 import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationConfigError
-from gen_testkit.routing import compare_routing, reference_routing
+from gen_testkit.conformance import ConformanceSubject
 from gen_testkit.strategies import pad_prompts
+from gen_testkit.suite.routed_experts import RoutedExpertsProperties
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 PROMPTS = [[5, 17, 42, 8], [99, 3], [7, 7, 7, 7, 7, 7], [300, 12, 40, 41, 43], [1, 2]]
-LAYERS, TOP_K = 2, 2
 
 
 @pytest.fixture(scope="module")
 def vllm_moe(engines, tiny_qwen3_moe):
-    return engines.get(tiny_qwen3_moe, return_routed_experts=True, max_new_tokens=12)
+    return engines.get(tiny_qwen3_moe, return_routed_experts=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +41,10 @@ def hf_moe(tiny_qwen3_moe):
             model_name=str(tiny_qwen3_moe.path),
             vocab_size=tiny_qwen3_moe.vocab_size,
             return_routed_experts=True,
-            max_new_tokens=12,
         )
     )
     yield backend
     backend.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_qwen3_moe):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_moe.path), dtype=torch.float32)
 
 
 def _generated(out: BatchedDataDict) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -78,20 +70,15 @@ def _score(backend, sequences: list[list[int]], prompt_lengths: list[int]) -> Ba
     )
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_every_read_position_routes_as_transformers_does(vllm_moe, reference, greedy):
-    data = pad_prompts(PROMPTS * 2, "right")
-    data["sample_seeds"] = torch.arange(len(PROMPTS) * 2)
-    out = vllm_moe.generate(data, greedy=greedy)
-    routed = out["routed_experts"]
-    assert routed.dtype == torch.int16 and tuple(routed.shape[2:]) == (LAYERS, TOP_K)
-    sequences, got = _generated(out)
-    result = compare_routing(got, [reference_routing(reference, s, TOP_K) for s in sequences])
-    assert result.compared == LAYERS * sum(len(s) - 1 for s in sequences)
-    assert not result.mismatches, result
-    assert result.equal + result.near_ties == result.compared
-    for i, s in enumerate(sequences):  # the last token was never read; nor was padding
-        assert (routed[i, len(s) - 1 :] == -1).all()
+class TestQwen3Moe(RoutedExpertsProperties):
+    """The testkit's routing properties on vLLM's routing, read in the worker."""
+
+    claims_score = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, vllm_moe, tiny_qwen3_moe):
+        return ConformanceSubject.for_model(vllm_moe, tiny_qwen3_moe)
 
 
 def test_sampled_rows_route_the_same_teacher_forced_through_the_other_backend(vllm_moe, hf_moe):

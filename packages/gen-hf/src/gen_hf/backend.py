@@ -161,6 +161,7 @@ class HfGeneration(InProcessBackend):
             score=True,
             stop_strings=self._decode is not None,
             batch_invariant=not on_cuda,
+            routed_experts=True,
             notes=tuple(notes),
         )
 

@@ -58,6 +58,8 @@ class BackendCapabilities:
         batch_invariant: ``batch_invariant: true`` is honoured here: every logprob equals, bit
             for bit, the trainer-side ``gen_hf.exact.sequence_logprobs`` of the same tokens,
             whatever the batch. False: the setting is refused (see ``notes`` for why).
+        routed_experts: ``return_routed_experts: true`` is honoured for MoE models: outputs carry
+            the experts every MoE layer routed each position to. False: the setting is refused.
         notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """
 
@@ -72,6 +74,7 @@ class BackendCapabilities:
     refit_bucket_bytes: int = 64 * 2**20
     refit_buffers: int = 2
     batch_invariant: bool = False
+    routed_experts: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 

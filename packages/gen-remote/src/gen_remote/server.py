@@ -143,6 +143,7 @@ class ServerInfo:
             refit_bucket_bytes=int(caps["refit_bucket_bytes"]),
             refit_buffers=int(caps["refit_buffers"]),
             batch_invariant=bool(self.config.get("batch_invariant")),
+            routed_experts=self.routed_experts is not None,
             notes=tuple(notes),
         )
 

@@ -228,6 +228,7 @@ class VllmGeneration(GenerationBackend):
             refit_bucket_bytes=(64 if on_gpu else 128) * 2**20,
             refit_buffers=2 if on_gpu else 1,
             batch_invariant=on_gpu,
+            routed_experts=bool(self.config["vllm_cfg"]["enforce_eager"]),
             notes=tuple(notes),
         )
 
