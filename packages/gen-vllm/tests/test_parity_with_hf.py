@@ -1,6 +1,7 @@
 """vLLM against the Hugging Face reference on the same tiny float32 models and inputs: greedy
 tokens identical, raw and processed logprobs within the float32 tolerances, sampled tokens fitting
-the exact distribution; for two replicas as for one."""
+the exact distribution; for two replicas as for one; on the MoE model, every routed expert as
+transformers' routers choose it."""
 
 import pytest
 from gen_hf import HfGeneration
@@ -22,11 +23,14 @@ from gen_testkit.tolerances import tolerance_for
         ("tiny_qwen2", 2, "raw"),
         ("tiny_llama", 1, "processed"),
         ("tiny_qwen2_tied", 1, "raw"),
+        ("tiny_qwen3_moe", 1, "raw"),
     ],
 )
 def test_vllm_matches_the_reference(request, engines, model_name, replicas, logprobs_mode):
     model = request.getfixturevalue(model_name)
-    vllm = engines.get(model, replicas=replicas, logprobs_mode=logprobs_mode)
+    moe = model_name == "tiny_qwen3_moe"  # and the routed experts, against transformers'
+    extra = {"return_routed_experts": True} if moe else {}
+    vllm = engines.get(model, replicas=replicas, logprobs_mode=logprobs_mode, **extra)
     assert vllm.num_replicas == replicas
     reference = HfGeneration(for_backend(vllm.config, "hf"))
     try:
@@ -46,3 +50,6 @@ def test_vllm_matches_the_reference(request, engines, model_name, replicas, logp
     assert report.teacher_forced.count > 0
     if logprobs_mode == "processed":
         assert all(error.count > 0 for error in report.processed.values())
+    if moe:
+        assert sorted(report.routing) == ["hf", "vllm x1"]
+        assert all(r.compared > 0 and not r.mismatches for r in report.routing.values())

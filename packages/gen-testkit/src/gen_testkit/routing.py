@@ -14,7 +14,7 @@ Needs transformers (``gen-testkit[models]``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,10 +68,18 @@ class RoutingComparison:
         mismatches: ``(row, position, layer)`` of pairs that differ anywhere else.
     """
 
-    compared: int
-    equal: int
-    near_ties: int
-    mismatches: list[tuple[int, int, int]]
+    compared: int = 0
+    equal: int = 0
+    near_ties: int = 0
+    mismatches: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __add__(self, other: RoutingComparison) -> RoutingComparison:
+        return RoutingComparison(
+            self.compared + other.compared,
+            self.equal + other.equal,
+            self.near_ties + other.near_ties,
+            self.mismatches + other.mismatches,
+        )
 
 
 def compare_routing(

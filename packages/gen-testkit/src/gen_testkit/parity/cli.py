@@ -28,6 +28,7 @@ from gen_interface import (
     create_generation_backend,
 )
 
+from gen_testkit.models import PRESETS, build_tiny_model
 from gen_testkit.parity.oracle import HfLogitsOracle
 from gen_testkit.parity.report import format_table
 from gen_testkit.parity.runner import SIGNIFICANCE, PairReport, TimedBackend, run_pair
@@ -42,7 +43,11 @@ MODEL_BACKENDS = ("hf", "vllm")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gen-parity", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local Hugging Face model directory (default: tiny Qwen2)")
+    parser.add_argument(
+        "--model",
+        help="local Hugging Face model directory, or a testkit preset such as tiny-qwen3-moe "
+        "(default: tiny-qwen2); an MoE model's routed experts are compared too",
+    )
     parser.add_argument(
         "--backends", help="comma-separated backend names (default: every installed one)"
     )
@@ -86,16 +91,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.model is None:
-        from gen_testkit.models import build_tiny_model
-
-        progress("building (or reusing) the tiny-qwen2 model")
-        args.model = str(build_tiny_model("tiny-qwen2").path)
+    if args.model is None or args.model in PRESETS:
+        preset = args.model or "tiny-qwen2"
+        progress(f"building (or reusing) the {preset} model")
+        args.model = str(build_tiny_model(preset).path)
 
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    vocab_size = AutoConfig.from_pretrained(args.model).vocab_size
+    model_config = AutoConfig.from_pretrained(args.model)
+    vocab_size = model_config.vocab_size
+    # an MoE model: the backends return their routing, checked against transformers' routers
+    routing = {"return_routed_experts": True} if _is_moe(model_config) else {}
     backends: list[TimedBackend] = []
     reports: list[PairReport] = []
     try:
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model_name": args.model,
                 "dtype": args.dtype,
                 **PARITY_SETTINGS,
+                **routing,
             }
             backend = _start(name, settings, tokenizer, args.batch_invariant, progress)
             backend.clear_logger_metrics()  # tok/s: the run's own, from the backend's metrics
@@ -157,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"wrote {args.json}")
     progress("done")
     return 0 if all(r.ok for r in reports) else 1
+
+
+def _is_moe(model_config: Any) -> bool:
+    return bool(getattr(model_config, "num_experts_per_tok", 0))
 
 
 if __name__ == "__main__":

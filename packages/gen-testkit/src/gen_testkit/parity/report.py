@@ -18,6 +18,7 @@ _COLUMNS = (
     "processed max|d| (ref, cand)",
     "sampling p-values (ref; cand)",
     "exact (ref, cand)",
+    "routed experts same / near-tie / differ (ref; cand)",
     "tok/s (ref, cand)",
     "result",
 )
@@ -42,6 +43,7 @@ def format_table(reports: Sequence[PairReport]) -> str:
                 " ".join(f"{fit.p_value:.3f}" for fit in r.sampling.get(n, [])) for n in names
             ),
             ", ".join(_exact_cell(r, n) for n in names),
+            "; ".join(_routing_cell(r, n) for n in names),
             ", ".join(f"{r.tokens_per_s.get(n, 0):.0f}" for n in names),
             "PASS" if r.ok else "FAIL",
         ]
@@ -55,3 +57,11 @@ def _exact_cell(report: PairReport, name: str) -> str:
     if agreement is None or not agreement.total:
         return "n/a"
     return f"{agreement.fraction:.3f}" + ("*" if name in report.batch_invariant else "")
+
+
+def _routing_cell(report: PairReport, name: str) -> str:
+    """(position, layer) routings equal to transformers', within router near-ties, and not."""
+    routing = report.routing.get(name)
+    if routing is None:
+        return "n/a"
+    return f"{routing.equal} / {routing.near_ties} / {len(routing.mismatches)}"

@@ -29,6 +29,7 @@ from gen_testkit.parity.metrics import (
 from gen_testkit.parity.oracle import LogitsOracle, processed_distribution
 from gen_testkit.parity.workload import ParityBatch, SamplingPlan
 from gen_testkit.properties import check_layout, check_prompt_kept
+from gen_testkit.routing import RoutingComparison, compare_routing, reference_routing
 from gen_testkit.tolerances import Tolerance
 
 __all__ = [
@@ -101,6 +102,9 @@ class PairReport:
     exact: dict[str, ExactAgreement] = field(default_factory=dict)
     #: backends that run with ``batch_invariant: true``: anything short of 1.0 fails them
     batch_invariant: set[str] = field(default_factory=set)
+    #: per backend, with ``return_routed_experts``: its rows' routing against transformers'
+    #: routers on the same tokens (empty when the backends return none)
+    routing: dict[str, RoutingComparison] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -157,6 +161,13 @@ class PairReport:
                     f"{name}: batch_invariant is on but {agreement.total - agreement.equal} of "
                     f"{agreement.total} generated logprobs differ from the exact forward"
                 )
+        for name, routing in self.routing.items():
+            if routing.mismatches:
+                self.failures.append(
+                    f"{name}: {len(routing.mismatches)} of {routing.compared} (position, layer) "
+                    f"routings differ from transformers' beyond router near-ties, first (row, "
+                    f"position, layer): {routing.mismatches[:3]}"
+                )
         for name, fits in self.sampling.items():
             for k, fit in enumerate(fits):
                 if fit.p_value < SIGNIFICANCE:
@@ -202,6 +213,15 @@ class PairReport:
             "tokens_per_s": self.tokens_per_s,
             "exact": {k: asdict(v) | {"fraction": v.fraction} for k, v in self.exact.items()},
             "batch_invariant": sorted(self.batch_invariant),
+            "routed_experts": {
+                name: {
+                    "compared": r.compared,
+                    "same": r.equal,
+                    "near_ties": r.near_ties,
+                    "differ": len(r.mismatches),
+                }
+                for name, r in self.routing.items()
+            },
         }
 
 
@@ -332,7 +352,27 @@ def compare_batch(
         report.teacher_forced.add(
             logprob_error(mine["logprobs"], theirs, mine, batch.prompt_lengths)
         )
+    model = getattr(oracle, "model", None)
+    if isinstance(model, torch.nn.Module):
+        for timed, output in zip((*pair, *pair), (*greedy, *sampled)):
+            if "routed_experts" in output:
+                report.routing[timed.name] = report.routing.get(
+                    timed.name, RoutingComparison()
+                ) + routing_against_model(output, model, report.tolerance.router_near_tie)
     report.rows += len(batch.prompts)
+
+
+def routing_against_model(
+    output: Mapping[str, Any], model: torch.nn.Module, near_tie: float
+) -> RoutingComparison:
+    """A generated output's routed experts (every position read: all but the last token)
+    against transformers ``model``'s routers on the same tokens."""
+    totals = output["unpadded_sequence_lengths"].tolist()
+    routed = output["routed_experts"]
+    sequences = [output["output_ids"][i, :n].tolist() for i, n in enumerate(totals)]
+    references = [reference_routing(model, s, routed.shape[3]) for s in sequences]
+    got = [routed[i, : n - 1] for i, n in enumerate(totals)]
+    return compare_routing(got, references, near_tie=near_tie)
 
 
 def compare_sampling(
