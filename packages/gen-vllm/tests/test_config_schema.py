@@ -56,6 +56,7 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
             "skip_tokenizer_init": st.booleans(),
             "logprobs_mode": st.sampled_from(["raw_logprobs", "processed_logprobs"]),
             "async_engine": st.booleans(),
+            "enable_return_routed_experts": st.booleans(),
             "max_logprobs": st.integers(0, 4096),
         },
     }
@@ -241,6 +242,24 @@ def test_nemo_rl_names_that_cannot_be_translated_are_refused(cfg, message):
         engine_args(dict(BASE, vllm_cfg=cfg))
     with pytest.raises(GenerationConfigError, match="contradicts `dtype`"):
         engine_args(dict(BASE, dtype="float16", vllm_cfg={"precision": "bfloat16"}))
+
+
+def test_nemo_rls_enable_return_routed_experts_is_return_routed_experts():
+    def complete(**config: Any) -> dict[str, Any]:
+        return dict(complete_vllm_config(configure_generation_config(dict(BASE, **config), None)))
+
+    def routed(**config: Any) -> bool:
+        return bool(complete(**config)["return_routed_experts"])
+
+    assert routed(vllm_cfg={"enable_return_routed_experts": True})
+    assert not routed(vllm_cfg={"enable_return_routed_experts": False})
+    assert routed(return_routed_experts=True, vllm_cfg={"enable_return_routed_experts": True})
+    assert (
+        "enable_return_routed_experts"
+        not in complete(vllm_cfg={"enable_return_routed_experts": True})["vllm_cfg"]
+    )
+    with pytest.raises(GenerationConfigError, match="contradicts `return_routed_experts`"):
+        routed(return_routed_experts=True, vllm_cfg={"enable_return_routed_experts": False})
 
 
 @pytest.mark.parametrize(

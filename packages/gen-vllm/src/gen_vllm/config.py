@@ -44,6 +44,7 @@ class VllmSpecificArgs(TypedDict, total=False):
     skip_tokenizer_init: bool  # not `load_tokenizer`
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"]  # the top-level logprobs_mode
     async_engine: bool  # accepted either way: the engine core is always asynchronous
+    enable_return_routed_experts: bool  # the top-level return_routed_experts
 
 
 KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
@@ -70,7 +71,13 @@ VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
 }
 
 #: ``vllm_cfg`` keys of NeMo RL's that are translated to this project's names.
-NEMO_RL_ALIASES = ("precision", "skip_tokenizer_init", "logprobs_mode", "async_engine")
+NEMO_RL_ALIASES = (
+    "precision",
+    "skip_tokenizer_init",
+    "logprobs_mode",
+    "async_engine",
+    "enable_return_routed_experts",
+)
 
 
 class VllmConfig(GenerationConfig, total=False):
@@ -149,6 +156,14 @@ def _translate_nemo_rl_names(
             )
         out["logprobs_mode"] = wanted
     cfg.pop("async_engine", None)
+    routed = cfg.pop("enable_return_routed_experts", None)
+    if routed is not None:
+        if out.get("return_routed_experts") and not routed:
+            raise GenerationConfigError(
+                "`vllm_cfg.enable_return_routed_experts` (false) contradicts "
+                "`return_routed_experts` (true): set the top-level `return_routed_experts` only"
+            )
+        out["return_routed_experts"] = bool(out.get("return_routed_experts")) or bool(routed)
 
 
 _PRECISIONS = ("float32", "bfloat16", "float16")
@@ -186,7 +201,6 @@ VLLM_FOREIGN_KEYS: ForeignKeys = {
         "cap_max_tokens_to_context": ForeignKey(
             "accepted either way: a row always stops at the context limit, marked truncated"
         ),
-        "enable_return_routed_experts": falsy("MoE routing replay is not supported"),
         "use_tqdm": ForeignKey("unread: no progress bar; generate logs through `logging`"),
         "use_deep_gemm": ForeignKey("unread: DeepGEMM serves fp8 precision, which is refused"),
         "num_first_layers_in_bf16": falsy("applies to fp8 precision only, which is refused"),
