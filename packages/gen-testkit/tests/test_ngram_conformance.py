@@ -75,15 +75,25 @@ class TestNgramAsyncRows(AsyncRowChecks):
         yield from ngram_subject("raw")
 
 
-@pytest.mark.parametrize("setting", ["batch_invariant", "lm_head_fp32"])
-def test_a_backend_without_a_setting_some_offer_refuses_it_by_name(setting: str):
+@pytest.mark.parametrize(
+    ("setting", "value", "off"),
+    [
+        ("batch_invariant", True, False),
+        ("lm_head_fp32", True, False),
+        ("return_routed_experts", True, False),
+        ("lora", {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}, None),
+    ],
+)
+def test_a_backend_without_a_setting_some_offer_refuses_it_by_name(
+    setting: str, value: object, off: object
+):
     from gen_interface import GenerationConfigError
 
     config = conformance_config(
-        backend="ngram", model_name="ngram", vocab_size=VOCAB, **{setting: True}
+        backend="ngram", model_name="ngram", vocab_size=VOCAB, **{setting: value}
     )
-    with pytest.raises(GenerationConfigError, match=f"{setting} is true but NgramGeneration"):
+    with pytest.raises(GenerationConfigError, match=f"{setting} is set but NgramGeneration"):
         NgramGeneration(config)
-    backend = NgramGeneration(dict(config, **{setting: False}))
+    backend = NgramGeneration(dict(config, **{setting: off}))
     assert not backend.capabilities.batch_invariant
     backend.shutdown()

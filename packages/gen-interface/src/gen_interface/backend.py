@@ -98,6 +98,8 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         max_top_logprobs: the most ``top_logprobs`` a row may ask for; None: no limit.
         routed_experts: ``(MoE layers, top_k)`` when the backend returns the model's routing
             (``return_routed_experts``); None: the model has no MoE router it can read.
+        staged_weights: names of ``model_specs`` refitted on their own and staged until the
+            commit (a LoRA adapter's tensors; see ``WeightUpdates``).
     """
 
     #: The level of the config holding the backend's own settings and its ``load_format``
@@ -116,6 +118,7 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         weights_absent: str | None = None,
         max_top_logprobs: int | None = None,
         routed_experts: tuple[int, int] | None = None,
+        staged_weights: Collection[str] = (),
     ):
         if config.get("return_routed_experts") and routed_experts is None:
             raise GenerationConfigError(
@@ -150,6 +153,7 @@ class GenerationBackend(LoopCalls, GenerationInterface):
                     abort=self._abort_update,
                 ),
                 self._metrics,
+                staged_weights,
             )
 
     # ---- configuration -------------------------------------------------------------------
@@ -167,11 +171,11 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         validate_generation_config(
             config, schema=cls.config_schema, foreign=cls.config_foreign_keys
         )
-        for setting in ("batch_invariant", "lm_head_fp32", "return_routed_experts"):
+        for setting in ("batch_invariant", "lm_head_fp32", "return_routed_experts", "lora"):
             if config.get(setting):
                 raise GenerationConfigError(
-                    f"{setting} is true but {cls.__name__} does not offer it; use backend 'hf' "
-                    f"or 'vllm', or set {setting} to false"
+                    f"{setting} is set but {cls.__name__} does not offer it; use backend 'hf' "
+                    f"(or 'vllm'), or leave {setting} out"
                 )
         return cast(GenerationConfig, copy.deepcopy(dict(config)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gen_interface.errors import BackendUnavailableError, GenerationConfigError
@@ -48,6 +49,7 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "batch_invariant": False,
     "lm_head_fp32": False,
     "return_routed_experts": False,
+    "lora": None,
 }
 
 #: Settings a backend can change between calls without reloading anything (vLLM takes them per
@@ -190,6 +192,36 @@ def validate_generation_config(
     if not isinstance(colocated, Mapping) or not isinstance(colocated.get("enabled"), bool):
         raise GenerationConfigError(
             f"colocated must be a dict with a bool 'enabled', got {colocated!r}"
+        )
+    if config.get("lora") is not None:
+        _check_lora(config["lora"])
+
+
+def _check_lora(lora: Any) -> None:
+    """A ``lora`` section names a PEFT adapter directory, or gives rank, alpha and targets."""
+    if not isinstance(lora, Mapping):
+        raise GenerationConfigError(f"lora must be None or a dict, got {lora!r}")
+    path = lora.get("adapter_path")
+    if path is not None:
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise GenerationConfigError(
+                f"lora.adapter_path {path!r} is not a PEFT adapter directory (no "
+                "adapter_config.json there)"
+            )
+        return
+    rank, alpha, targets = lora.get("rank"), lora.get("alpha"), lora.get("target_modules")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise GenerationConfigError(f"lora.rank must be an integer >= 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise GenerationConfigError(f"lora.alpha must be a number > 0, got {alpha!r}")
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or not all(isinstance(t, str) and t for t in targets)
+    ):
+        raise GenerationConfigError(
+            f"lora.target_modules must be a non-empty list of layer names (e.g. ['q_proj', "
+            f"'v_proj']), got {targets!r}; or give lora.adapter_path"
         )
 
 

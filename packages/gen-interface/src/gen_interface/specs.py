@@ -36,6 +36,21 @@ class ColocatedConfig(TypedDict, total=False):
     enabled: bool
 
 
+class LoraConfig(TypedDict, total=False):
+    """A LoRA adapter served on top of the base model and refitted on its own.
+
+    Each target linear layer ``W`` computes ``W x + (alpha / rank) * B (A x)``. Either name a
+    PEFT adapter directory (``adapter_path``: its ``adapter_config.json`` gives the other three
+    and its weights the first adapter), or give ``rank``, ``alpha`` and ``target_modules`` (the
+    adapter then starts at zero: the base model's outputs).
+    """
+
+    rank: int  # r >= 1
+    alpha: float  # > 0; the adapter's output is scaled by alpha / rank
+    target_modules: list[str]  # last names of the linear layers adapted, e.g. ["q_proj", "v_proj"]
+    adapter_path: str | None  # a PEFT adapter directory
+
+
 class GenerationConfig(TypedDict, total=False):
     """Configuration shared by every backend. Backends extend it with their own keys.
 
@@ -72,6 +87,9 @@ class GenerationConfig(TypedDict, total=False):
     # True (an MoE model only): outputs carry routed_experts, the experts each position's
     # tokens were routed to in every MoE layer, for routing replay in the trainer. Default False.
     return_routed_experts: bool
+    # A LoRA adapter over the base model (LoraConfig); a weight update then carries the base,
+    # the adapter's tensors (PEFT's names), or both. None (default): no adapter.
+    lora: LoraConfig | None
 
 
 class GenerationDatumSpec(TypedDict):

@@ -193,6 +193,7 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "batch_invariant": st.booleans(),
             "lm_head_fp32": st.booleans(),
             "return_routed_experts": st.booleans(),
+            "lora": st.none(),  # a section is checked against the model, by the backend
         },
         "colocated": {"enabled": st.booleans()},
     }

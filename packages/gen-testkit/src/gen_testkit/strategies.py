@@ -144,6 +144,7 @@ def generation_configs(
         "batch_invariant": False,
         "lm_head_fp32": False,
         "return_routed_experts": False,
+        "lora": None,
     }
 
 
@@ -168,6 +169,7 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "batch_invariant": ["yes", 1, None],
     "lm_head_fp32": ["yes", 1, None],
     "return_routed_experts": ["yes", 1, None],
+    "lora": [True, "q_proj", {"rank": 0, "alpha": 8, "target_modules": ["q_proj"]}],
 }
 
 

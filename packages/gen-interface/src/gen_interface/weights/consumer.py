@@ -88,29 +88,40 @@ def state_dict_specs(state_dict: Mapping[str, torch.Tensor]) -> TensorSpecs:
 
 
 def check_update_is_complete(
-    incoming: Iterable[str], model: TensorSpecs, optional: Collection[str] = ()
+    incoming: Iterable[str],
+    model: TensorSpecs,
+    optional: Collection[str] = (),
+    groups: Sequence[Collection[str]] = (),
 ) -> None:
     """Refuse an update that leaves out a weight of the model.
 
     The rule of every backend: an update carries every weight (each tied weight under one of
     its names), so no layer is ever half old, half new. vLLM reloads whole fused layers, and a
-    trainer always holds the whole state dict.
+    trainer always holds the whole state dict. Where some of the model's weights form
+    ``groups`` refitted on their own (a LoRA adapter), each group and the rest are each carried
+    whole or not at all, and an update carries at least one of them.
 
     Args:
         incoming: the names the update carries.
         model: the model's ``{name: (shape, dtype)}``.
-        optional: names the update may omit (e.g. ``lm_head.weight`` tied to the embeddings).
+        optional: names an update may omit (e.g. ``lm_head.weight`` tied to the embeddings).
+        groups: sets of names sent on their own (e.g. an adapter's tensors).
 
     Raises:
         WeightUpdateError: naming the missing weights.
     """
-    missing = sorted(set(model) - set(optional) - set(incoming))
+    arrived = set(incoming)
+    grouped: set[str] = set().union(*groups) if groups else set()
+    base = set(model) - grouped - set(optional)
+    carried = [part for part in (base, *(set(g) for g in groups)) if part & arrived]
+    missing = sorted(set().union(*carried) - arrived if groups and carried else base - arrived)
     if missing:
         listed = ", ".join(missing[:_MAX_LISTED])
         more = len(missing) - _MAX_LISTED
+        whole = "the model" + (" (its base, its adapter, or both, each whole)" if groups else "")
         raise WeightUpdateError(
-            "weight update refused, nothing was written: an update must carry every weight of "
-            f"the model; missing {listed}" + (f" and {more} more" if more > 0 else "")
+            f"weight update refused, nothing was written: an update must carry every weight of "
+            f"{whole}; missing {listed}" + (f" and {more} more" if more > 0 else "")
         )
 
 

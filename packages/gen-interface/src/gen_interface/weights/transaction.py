@@ -43,6 +43,8 @@ class WeightTransaction:
         model: the model's ``{name: (shape, dtype)}``, what an update may carry.
         optional: names an update may omit (aliases of tied weights).
         version: the version the commit sets.
+        groups: sets of names refitted on their own (an adapter; see
+            ``check_update_is_complete``).
         received: names loaded so far.
         loads: how many loads were accepted (a load may have written part of the weights).
     """
@@ -50,6 +52,7 @@ class WeightTransaction:
     model: TensorSpecs
     optional: Collection[str]
     version: int
+    groups: tuple[frozenset[str], ...] = ()
     received: set[str] = field(default_factory=set)
     loads: int = 0
 
@@ -73,4 +76,4 @@ class WeightTransaction:
 
     def check_complete(self) -> None:
         """Raise ``WeightUpdateError`` naming the weights that never arrived."""
-        check_update_is_complete(self.received, self.model, self.optional)
+        check_update_is_complete(self.received, self.model, self.optional, self.groups)

@@ -67,6 +67,8 @@ class WeightUpdates:
         model: the model's ``{name: (shape, dtype)}``.
         optional: names an update may omit (aliases of tied weights).
         steps: the backend's part.
+        staged: names the backend stages until the commit (an adapter): an update dropped
+            after writing only these left the served weights as they were.
     """
 
     def __init__(
@@ -76,12 +78,15 @@ class WeightUpdates:
         optional: Collection[str],
         steps: WeightUpdateSteps,
         metrics: GenerationMetrics | None = None,
+        staged: Collection[str] = (),
     ):
         self.lifecycle = lifecycle
         self.metrics = metrics if metrics is not None else GenerationMetrics()
         self._timing = _UpdateTiming()
         self.model = model
         self.optional = frozenset(optional)
+        self.staged = frozenset(staged)
+        self.groups = (self.staged,) if self.staged else ()
         self.steps = steps
         self.version = 0
         #: The newest version the trainer announced (``announce``, or by opening an update).
@@ -112,7 +117,7 @@ class WeightUpdates:
                 self.lifecycle.end_update()
                 raise
             with self._changed:
-                self._open = WeightTransaction(self.model, self.optional, target)
+                self._open = WeightTransaction(self.model, self.optional, target, self.groups)
                 self.announced = max(self.announced, target)
             self._timing = _UpdateTiming(started, begin_seconds=time.perf_counter() - started)
             return target
@@ -130,7 +135,7 @@ class WeightUpdates:
                 self._timed_write(incoming, write)
                 return
             # A single call is a whole update: check it all before anything is written.
-            check_update_is_complete(incoming, self.model, self.optional)
+            check_update_is_complete(incoming, self.model, self.optional, self.groups)
             self.start()
             try:
                 assert self._open is not None
@@ -190,7 +195,7 @@ class WeightUpdates:
         """End ``txn`` without a new version: the backend's abort step, then the bookkeeping,
         which happens even when that step fails. ``strict``: the step's error propagates
         (otherwise it is logged: an error is already on its way to the caller)."""
-        written = txn.loads > 0
+        written = txn.loads > 0 and bool(txn.received - self.staged)  # served weights touched
         try:
             self.steps.abort(written)
         except Exception:
