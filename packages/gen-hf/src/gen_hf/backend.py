@@ -42,6 +42,7 @@ from gen_hf.loading import (
     move_model,
     resolve_device,
 )
+from gen_hf.lora import LoraAdapter
 from gen_hf.routing import routing_capture
 from gen_hf.score import score_sequences
 from gen_hf.weights import model_tensor_specs, tied_aliases, write_weights
@@ -100,6 +101,8 @@ class HfGeneration(InProcessBackend):
         if config.get("batch_invariant", False):
             use_batch_invariant_kernels(self._loaded.model)
         self._routing = routing_capture(self._loaded.model, config)
+        self._lora = _adapter(self._loaded.model, config)
+        adapter_specs = self._lora.specs() if self._lora is not None else {}
         self._max_batch_size = int(hf_cfg["max_batch_size"])
         self._offload_on_finish = self._device.type == "cuda" and config["colocated"]["enabled"]
         self._targets: dict[str, torch.Tensor] | None = None
@@ -108,10 +111,11 @@ class HfGeneration(InProcessBackend):
             vocab_size=self._loaded.vocab_size,
             context_limit=self._loaded.context_limit,
             has_tokenizer=self._decode is not None,
-            model_specs=model_tensor_specs(self._loaded.model),
+            model_specs={**model_tensor_specs(self._loaded.model), **adapter_specs},
             optional_weights=tied_aliases(self._loaded.model),
             weights_absent=DUMMY_WEIGHTS if hf_cfg["load_format"] == "dummy" else None,
             routed_experts=None if self._routing is None else self._routing.shape,
+            staged_weights=adapter_specs,
         )
 
     @classmethod
@@ -214,6 +218,8 @@ class HfGeneration(InProcessBackend):
         if "weights" in resources and self._loaded is not None:
             with self.gate.lock:
                 move_model(self._loaded.model, self._device)
+                if self._lora is not None:
+                    self._lora.to(self._device)
                 self._targets = None
 
     def _release(self) -> frozenset[Resource]:
@@ -221,6 +227,8 @@ class HfGeneration(InProcessBackend):
         with self.gate.lock:
             if self._offload_on_finish and self._loaded is not None:
                 move_model(self._loaded.model, "cpu")
+                if self._lora is not None:
+                    self._lora.to("cpu")
                 self._targets = None
                 asleep = frozenset({"weights"})
             _release_device_memory(self._device)
@@ -249,8 +257,22 @@ class HfGeneration(InProcessBackend):
 
     def _weight_targets(self) -> Mapping[str, torch.Tensor]:
         if self._targets is None:  # the model's tensors by name, while they do not move
-            self._targets = self._model().model.state_dict()
+            self._targets = dict(self._model().model.state_dict())
+            if self._lora is not None:  # an adapter's loads go to its staged copy
+                self._targets.update(self._lora.staged)
         return self._targets
+
+    def _commit_update(self, version: int) -> None:
+        if self._lora is not None:
+            with self.gate.lock:
+                self._lora.commit()
+        super()._commit_update(version)
+
+    def _abort_update(self, written: bool) -> None:
+        if self._lora is not None:
+            with self.gate.lock:
+                self._lora.discard()
+        super()._abort_update(written)
 
     def _write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         write_weights(self._weight_targets(), tensors)
@@ -264,3 +286,17 @@ class HfGeneration(InProcessBackend):
 def _release_device_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _adapter(model: torch.nn.Module, config: Mapping[str, Any]) -> LoraAdapter | None:
+    """The config's LoRA adapter on ``model``, or None without a ``lora`` section.
+
+    Raises:
+        GenerationConfigError: the section does not fit the model.
+    """
+    if not config.get("lora"):
+        return None
+    try:
+        return LoraAdapter(model, config["lora"])
+    except (ValueError, OSError, KeyError) as exc:
+        raise GenerationConfigError(f"lora: {exc}") from exc

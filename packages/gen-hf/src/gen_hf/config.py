@@ -107,6 +107,11 @@ def complete_hf_config(config: Mapping[str, Any]) -> HfConfig:
             "trainer's exact forward (gen_hf.exact.sequence_logprobs), which runs the head in "
             "the model's dtype; set one of them to false"
         )
+    if out.get("batch_invariant") and out.get("lora"):
+        raise GenerationConfigError(
+            "batch_invariant and lora are both set: the adapter's low-rank product runs outside "
+            "the batch-invariant kernels; set one of them off"
+        )
     out["hf_cfg"] = cfg
     return cast(HfConfig, out)
 
