@@ -13,32 +13,14 @@ adapter serving, whole.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from gen_interface.lora import PEFT_PREFIX, lora_settings
 
 __all__ = ["PEFT_PREFIX", "LoraAdapter", "lora_settings"]
-
-#: The prefix PEFT puts before a module's name in an adapter's state dict.
-PEFT_PREFIX = "base_model.model."
-
-
-def lora_settings(section: Mapping[str, Any]) -> dict[str, Any]:
-    """``rank``, ``alpha`` and ``target_modules`` of a ``lora`` section; from its
-    ``adapter_path``'s ``adapter_config.json`` (PEFT's ``r``, ``lora_alpha``,
-    ``target_modules``) when it names one."""
-    path = section.get("adapter_path")
-    if not path:
-        return {key: section[key] for key in ("rank", "alpha", "target_modules")}
-    peft = json.loads((Path(path) / "adapter_config.json").read_text())
-    return {
-        "rank": int(peft["r"]),
-        "alpha": float(peft["lora_alpha"]),
-        "target_modules": list(peft["target_modules"]),
-    }
 
 
 class LoraAdapter:

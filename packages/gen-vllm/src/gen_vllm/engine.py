@@ -115,6 +115,10 @@ class EngineProtocol(Protocol):
     def resume(self) -> None:
         """Resume scheduling after ``pause``."""
 
+    def add_lora(self, fields: dict[str, Any]) -> None:
+        """Serve the adapter ``LoRARequest(**fields)`` names (``load_inplace``: replace the one
+        of its id, running rows included)."""
+
     def set_weight_version(self, version: int) -> None:
         """Label the weights that produce the next tokens."""
 
@@ -150,11 +154,18 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        params = dict(params)
+        adapter = params.pop("lora_request", None)  # LoRARequest fields: the adapter served
         kind = RequestOutputKind.FINAL_ONLY if params.get("prompt_logprobs") is not None else None
         sampling = SamplingParams(
             **params, output_kind=kind if kind is not None else RequestOutputKind.DELTA
         )
-        self._engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
+        self._engine.add_request(
+            request_id,
+            {"prompt_token_ids": prompt},
+            sampling,
+            lora_request=None if adapter is None else _lora_request(adapter),
+        )
         self._top_k[request_id] = (
             int(params.get("logprobs") or 0),
             int(params.get("prompt_logprobs") or 0),
@@ -225,6 +236,9 @@ class VllmEngine:
     def resume(self) -> None:
         self._core().resume_scheduler()
 
+    def add_lora(self, fields: dict[str, Any]) -> None:
+        self._engine.add_lora(_lora_request(fields))
+
     def set_weight_version(self, version: int) -> None:
         self._engine.set_weight_version(str(version))
 
@@ -254,3 +268,9 @@ def _logprob_of(position: Any, token: int) -> float:
 
         raise GenerationError(f"vLLM returned no logprob for token {token}")
     return float(position[token].logprob)
+
+
+def _lora_request(fields: dict[str, Any]) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(**fields)

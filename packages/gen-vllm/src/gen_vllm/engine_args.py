@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from gen_interface import GenerationConfigError
+from gen_interface.lora import lora_settings
 
+from gen_vllm.adapter import lora_engine_args
 from gen_vllm.config import VLLM_CFG_DEFAULTS, VllmConfig
 
 __all__ = [
@@ -112,6 +114,12 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             "engine dies on the first large batch"
         )
     args.update(passed)
+    section = config.get("lora")
+    if section:
+        try:
+            args.update(lora_engine_args(lora_settings(section)))
+        except (ValueError, OSError, KeyError) as exc:
+            raise GenerationConfigError(f"lora: {exc}") from exc
     if config.get("lm_head_fp32"):
         # vLLM's own switch (ModelConfig.head_dtype): the lm_head runs in float32, its weight
         # cast as it is applied; the sampler's log-softmax is in float32 already.

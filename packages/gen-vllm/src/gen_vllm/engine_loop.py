@@ -75,6 +75,8 @@ class EngineLoop:
         self._failure: str | None = None
         self._version = 0
         self._routing = False  # requests read no prefix cache; rows carry their routing
+        #: ``LoRARequest`` fields of the adapter every request is served with, or None.
+        self.adapter: dict[str, Any] | None = None
         #: New tokens of the rows that stream, step by step.
         self.feed = TokenFeed()
         built: concurrent.futures.Future[EngineProtocol] = concurrent.futures.Future()
@@ -95,6 +97,8 @@ class EngineLoop:
             params = request.params
             if self._routing:  # a position read from the cache would have no routing
                 params = {**params, "skip_reading_prefix_cache": True}
+            if self.adapter is not None:
+                params = {**params, "lora_request": self.adapter}
             self.engine.add_request(request.request_id, request.prompt, params)
             self._pending[request.request_id] = _Pending(future, request.request_id, request.stream)
 

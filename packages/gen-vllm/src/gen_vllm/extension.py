@@ -18,6 +18,7 @@ import socket
 from typing import Any
 
 import torch
+from gen_interface.lora import adapter_specs
 from gen_interface.weights import combine_checksums, weights_checksum
 
 from gen_vllm.checkpoint import checkpoint_specs
@@ -70,6 +71,25 @@ class UpdatableVllmInternalWorker:
         """The routing of finished requests, by request id (``RoutingCapture.take``)."""
         capture = getattr(self, "_gen_routing", None)
         return {} if capture is None else capture.take(request_ids)
+
+    def write_adapter(self, directory: str, settings: dict[str, Any], initial: bool) -> bool:
+        """Write the adapter the last update carried (``initial``: a zero adapter of the
+        model's shape) as a PEFT directory; rank 0 writes. Returns whether one was written."""
+        tensors = getattr(self.weight_transfer_engine, "adapter", None) or {}
+        if initial:
+            specs, _ = self.checkpoint_specs()
+            shapes = {n: (torch.Size(s), getattr(torch, d)) for n, (s, d) in specs.items()}
+            tensors = {
+                name: torch.zeros(shape, dtype=dtype)
+                for name, (shape, dtype) in adapter_specs(shapes, settings).items()
+            }
+        if not tensors:
+            return False
+        if int(self.rank) == 0:
+            from gen_vllm.adapter import write_peft_adapter
+
+            write_peft_adapter(directory, tensors, settings)
+        return True
 
     def weight_update_report(self, compared: bool = True) -> UpdateReport:
         """After ``finish_weight_update``: this rank's account of the update.

@@ -26,11 +26,13 @@ from gen_interface import (
     RowResult,
 )
 from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
+from gen_interface.lora import adapter_specs, lora_settings
 from gen_interface.schema import ForeignKeys
 from gen_interface.scoring import ScoreBatch, ScoredRow
 from gen_interface.stepping import RowControl
 from gen_interface.text import HfTokenizerCodec, TextCodec
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
+from gen_interface.weights.consumer import TensorSpecs
 from gen_interface.weights.handles import WeightHandles
 
 from gen_vllm.background_loop import BackgroundLoop
@@ -121,6 +123,11 @@ class VllmGeneration(GenerationBackend):
             self._capture_routing(config) if config.get("return_routed_experts") else None
         )
         first = self.replicas.infos[0]
+        checkpoint = {
+            name: (torch.Size(shape), getattr(torch, dtype))
+            for name, (shape, dtype) in first["checkpoint_specs"].items()
+        }
+        adapter = self._serve_adapter(config, checkpoint) if config.get("lora") else {}
         self._loop = BackgroundLoop()
         self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
         self._token_streams = TokenStreams(self.replicas)
@@ -133,15 +140,31 @@ class VllmGeneration(GenerationBackend):
             vocab_size=first["vocab_size"],
             context_limit=first["max_model_len"],
             has_tokenizer=not engine_args["skip_tokenizer_init"],
-            model_specs={
-                name: (torch.Size(shape), getattr(torch, dtype))
-                for name, (shape, dtype) in first["checkpoint_specs"].items()
-            },
+            model_specs={**checkpoint, **adapter},
             optional_weights=first["optional_weights"],
             weights_absent=DUMMY_WEIGHTS if cfg["load_format"] == "dummy" else None,
             max_top_logprobs=cfg["max_logprobs"],
             routed_experts=None if self._routing is None else self._routing[:2],
+            staged_weights=adapter,
         )
+
+    def _serve_adapter(self, config: VllmConfig, checkpoint: TensorSpecs) -> TensorSpecs:
+        """Every replica serves the config's LoRA adapter; returns its tensors' specs.
+
+        Raises:
+            GenerationConfigError: the section does not fit the model; the engines are shut
+                down.
+        """
+        section = config["lora"]
+        assert section is not None
+        try:
+            settings = lora_settings(section)
+            specs = adapter_specs(checkpoint, settings)
+            self.replicas.use_adapter(settings, section.get("adapter_path"))
+        except (ValueError, OSError) as exc:
+            self.replicas.shutdown()
+            raise GenerationConfigError(f"lora: {exc}") from exc
+        return specs
 
     def _capture_routing(self, config: VllmConfig) -> tuple[int, int, int]:
         """Have every replica return its rows' routing: ``(layers, top_k, experts)``.

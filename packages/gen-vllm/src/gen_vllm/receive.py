@@ -38,6 +38,7 @@ class ReceivedBucket:
     # The producer's bucket the tensors view, when it is shared memory the producer reuses:
     # anything that must outlive the load has to be copied out of it. None otherwise.
     shared: torch.Tensor | None
+    names: tuple[str, ...] = ()  # the tensors' names, in order (known before reading them)
 
 
 def receive_load(
@@ -63,6 +64,7 @@ def receive_load(
                 unpack_verified(data, bucket["tensors"]),
                 bucket["checksum"],
                 data if reusable else None,
+                tuple(slot["name"] for slot in bucket["tensors"]),
             )
     elif "broadcast" in info:
         if group is None:
@@ -71,7 +73,8 @@ def receive_load(
                 "call init_collective (WeightBroadcaster.connect) first"
             )
         bucket = info["broadcast"]
-        yield ReceivedBucket(receive_broadcast(group, bucket), bucket["checksum"], None)
+        names = tuple(slot["name"] for slot in bucket["tensors"])
+        yield ReceivedBucket(receive_broadcast(group, bucket), bucket["checksum"], None, names)
     else:
         raise WeightUpdateError(
             f"a weight load names neither handles nor a broadcast: {sorted(info)}"

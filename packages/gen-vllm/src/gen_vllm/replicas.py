@@ -167,6 +167,15 @@ class ReplicaSet:
             "capture_routed_experts",
         )
 
+    def use_adapter(self, settings: dict[str, Any], adapter_path: str | None) -> None:
+        """Every replica serves its rows with a LoRA adapter (``VllmGenerationWorker.
+        use_adapter``)."""
+        self._wait(
+            [a.use_adapter.remote(settings, adapter_path) for a in self.actors],
+            self.timeouts.control_s,
+            "use_adapter",
+        )
+
     def reset_prefix_cache(self) -> list[bool]:
         """Drop every replica's cached prefixes; each one's answer (False while rows hold
         blocks)."""

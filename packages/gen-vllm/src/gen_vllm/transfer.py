@@ -14,11 +14,14 @@ registers the engine before the worker builds it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from gen_interface.lora import is_adapter_weight
 from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -50,7 +53,10 @@ class GenUpdateInfo(WeightTransferUpdateInfo):
 class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     """Loads this project's weight loads into the model with vLLM's layerwise reload.
 
-    ``received`` holds the checksum of every bucket of the current transaction, in order.
+    ``received`` holds the checksum of every bucket of the current transaction, in order;
+    ``adapter`` the LoRA adapter tensors it carried (copies, kept for the worker to serve at the
+    commit: vLLM's model takes none of them). vLLM's layerwise reload starts with the first
+    bucket that carries base weights, so an adapter-only update leaves the model untouched.
     """
 
     init_info_cls = GenInitInfo
@@ -59,7 +65,9 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.received: list[int] = []
+        self.adapter: dict[str, torch.Tensor] = {}
         self.group: WeightGroup | None = None
+        self._reloading = False
 
     def init_transfer_engine(self, init_info: GenInitInfo) -> None:
         rank = init_info.rank + int(self.vllm_config.parallel_config.rank)
@@ -67,24 +75,42 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         self.group = join_weight_group(endpoint, rank, torch.device(self.device))
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self.received = []
-        initialize_layerwise_reload(self.model)
+        self.received, self.adapter, self._reloading = [], {}, False
 
     def receive_weights(self, update_info: GenUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
         info = {k: v for k, v in vars(update_info).items() if v is not None}
         gpu = _device_uuid(self.device)
         for bucket in receive_load(info, device_uuid=gpu, group=self.group):
-            cast(Any, self.model).load_weights(bucket.tensors)
+            base = self._keep_adapter(bucket.tensors)
+            if not self._reloading and not all(map(is_adapter_weight, bucket.names)):
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+            if self._reloading:
+                cast(Any, self.model).load_weights(base)
+            else:  # an adapter-only bucket: read (and verify) every tensor
+                collections.deque(base, maxlen=0)
             if bucket.shared is not None:
                 _own_pending_tensors(self.model, bucket.shared)
             self.received.append(bucket.checksum)
 
+    def _keep_adapter(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base weights of ``tensors``; adapter tensors are copied into ``adapter``."""
+        for name, tensor in tensors:
+            if is_adapter_weight(name):
+                self.adapter[name] = tensor.to("cpu", copy=True)
+            else:
+                yield name, tensor
+
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self._reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._reloading = False
 
     def shutdown(self) -> None:
         self.group = None

@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 from gen_interface import BackendUnavailableError, InFlight
 from gen_interface.weights.collective import CollectiveEndpoint
 
+from gen_vllm.adapter import ADAPTER_ID, ADAPTER_NAME
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
 from gen_vllm.messages import (
@@ -70,6 +73,7 @@ class VllmGenerationWorker:
             os.sched_setaffinity(0, cpu_ids)
             os.environ["OMP_NUM_THREADS"] = str(len(cpu_ids))
         self._updating = False  # vLLM's weight-update transaction is open
+        self._adapter: tuple[dict[str, Any], str] | None = None  # (lora settings, its directory)
         self._info: WorkerInfo | None = None  # set once the engine is up
         self._start_error = ""
         try:
@@ -121,6 +125,38 @@ class VllmGenerationWorker:
         """Return every row's MoE routing from now on: ``[layers, top_k, experts]``, or why
         this engine cannot."""
         return await self._loop.call(self._loop.capture_routing)
+
+    async def use_adapter(self, settings: dict[str, Any], adapter_path: str | None) -> None:
+        """Serve every row with a LoRA adapter: the PEFT directory ``adapter_path``, or a zero
+        adapter of ``settings`` (rank, alpha, target modules) written here."""
+
+        def use() -> None:
+            self._adapter = (dict(settings), tempfile.mkdtemp(prefix="gen-lora-"))
+            path = adapter_path
+            if path is None:
+                path = os.path.join(self._adapter[1], "v0")
+                self._loop.engine.collective_rpc("write_adapter", (path, settings, True))
+            self._loop.adapter = {
+                "lora_name": ADAPTER_NAME,
+                "lora_int_id": ADAPTER_ID,
+                "lora_path": path,
+            }
+
+        await self._loop.call(use)
+
+    def _serve_new_adapter(self, version: int) -> None:
+        """After a commit: the adapter the update carried, if any, replaces the served one."""
+        if self._adapter is None or self._loop.adapter is None:
+            return
+        settings, root = self._adapter
+        path = os.path.join(root, f"v{version}")
+        if not self._loop.engine.collective_rpc("write_adapter", (path, settings, False))[0]:
+            return
+        old = self._loop.adapter["lora_path"]
+        self._loop.adapter = {**self._loop.adapter, "lora_path": path}
+        self._loop.engine.add_lora({**self._loop.adapter, "load_inplace": True})
+        if old.startswith(root):
+            shutil.rmtree(old, ignore_errors=True)
 
     async def rows_in_flight(self) -> int:
         """Rows this replica's engine holds now (running, queued or paused)."""
@@ -211,6 +247,7 @@ class VllmGenerationWorker:
                     engine.collective_rpc("finish_weight_update")
                 if version is not None:
                     self._loop.set_version(version)
+                    self._serve_new_adapter(version)
                 if version is not None or cut:
                     engine.reset_prefix_cache()  # KV computed with other weights
             finally:
@@ -242,6 +279,8 @@ class VllmGenerationWorker:
         """Stop the engine and free its memory; the actor is killed afterwards."""
         if self._info is not None:
             await asyncio.to_thread(self._loop.close)
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter[1], ignore_errors=True)
 
 
 def _cores_for(slot: tuple[int, int]) -> list[int]:
