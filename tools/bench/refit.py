@@ -14,6 +14,10 @@ no trainer-side copy), ``one-shot`` (``share_weights`` + one ``update_weights_fr
 and for vLLM ``collective`` (``WeightBroadcaster`` over gloo). Every path is a complete, verified
 transaction.
 
+With ``--lora-rank R``, gen-hf and gen-vllm also serve a LoRA adapter of rank R on every
+projection (q, k, v, o, gate, up, down), and each reports an adapter-only refit (its bytes and
+seconds) beside a full refit of the same model into the same backend.
+
 Reports, per path, the best time, GB/s (model bytes / seconds), the ratio to the copy's GB/s,
 the ratio of its time to bare vLLM's reload of the same model,
 and the peak extra memory of the trainer (this process's private memory plus shared memory in
@@ -36,6 +40,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 import torch
 from gen_interface import configure_generation_config
+from gen_interface.lora import adapter_specs
 from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors, share_weights
 from gen_testkit.models import build_tiny_model
 
@@ -55,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--buffers", type=int, default=None, help="streaming buckets per place (default: backend's)"
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="also time adapter-only refits of this rank"
     )
     return parser.parse_args()
 
@@ -132,7 +140,7 @@ class BareVllm:
         del self.llm
 
 
-def build_backend(kind: str, model_path: str) -> Any:
+def build_backend(kind: str, model_path: str, lora: dict[str, Any] | None = None) -> Any:
     tokenizer = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
     config: dict[str, Any] = {
         "backend": "hf" if kind == "hf" else "vllm",
@@ -140,6 +148,7 @@ def build_backend(kind: str, model_path: str) -> Any:
         "max_new_tokens": 4,
         "dtype": "float32",
         "stop_token_ids": [],
+        "lora": lora,
     }
     if kind == "bare":
         return BareVllm(model_path)
@@ -250,6 +259,40 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
     return rows
 
 
+#: The layers an RL LoRA usually adapts: every projection of attention and the MLP.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def measure_adapter(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> None:
+    """A full refit and an adapter-only refit into one backend serving an adapter, best of
+    ``args.reps`` each, interleaved."""
+    rank = args.lora_rank
+    settings = {"rank": rank, "alpha": 2.0 * rank, "target_modules": LORA_TARGETS}
+    specs = adapter_specs({n: (t.shape, t.dtype) for n, t in weights.items()}, settings)
+    generator = torch.Generator().manual_seed(0)
+    lora = {n: 0.01 * torch.randn(s, generator=generator) for n, (s, _) in specs.items()}
+    sizes = {
+        "full": sum(t.numel() * t.element_size() for t in weights.values()),
+        "adapter": sum(t.numel() * t.element_size() for t in lora.values()),
+    }
+    backend = build_backend(kind, str(build_tiny_model(preset).path), lora=settings)
+    best = dict.fromkeys(sizes, float("inf"))
+    try:
+        with Refitter(backend) as refitter:
+            for _ in range(args.reps):
+                best["full"] = min(best["full"], timed(lambda: refitter.refit(weights)))
+                best["adapter"] = min(best["adapter"], timed(lambda: refitter.refit(lora)))
+    finally:
+        backend.shutdown()
+    label = {"hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[kind]
+    print(
+        f"  {label:12s} LoRA rank {rank}: full refit {sizes['full'] / MIB:.0f} MiB in "
+        f"{best['full']:.3f} s; adapter refit {sizes['adapter'] / MIB:.1f} MiB in "
+        f"{best['adapter']:.3f} s ({best['full'] / best['adapter']:.0f}x faster)",
+        flush=True,
+    )
+
+
 def main() -> list[dict[str, Any]]:
     args = parse_args()
     rows: list[dict[str, Any]] = []
@@ -264,6 +307,8 @@ def main() -> list[dict[str, Any]]:
         )
         for kind in args.backends.split(","):
             rows.extend(measure(kind, preset, weights, args))
+            if args.lora_rank and kind != "bare":
+                measure_adapter(kind, preset, weights, args)
     print()
     floor = {r["model"]: r["seconds"] for r in rows if r["backend"] == "bare vLLM"}
     print(
