@@ -4,6 +4,7 @@ refit and adapter refits mix in one run, each a verified transaction with its ve
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from gen_hf import HfConfig, HfGeneration
-from gen_hf.lora import PEFT_PREFIX
 from gen_interface import GenerationConfigError, WeightUpdateError
 from gen_interface.weights import Refitter
-from gen_testkit.models import TinyModel
+from gen_testkit.adapters import merge_adapter, random_adapter
+from gen_testkit.models import TinyModel, build_tiny_model
 from gen_testkit.strategies import pad_prompts
 
 PROMPTS = [[5, 17, 42, 8], [99, 3], [7, 7, 7, 7, 7, 7], [300, 12, 40, 41, 43]]
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
-TARGETS = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")]
 #: float32 logprobs of the adapter (a hook adding B(Ax)) against the merged weight W + sBA: the
 #: same sum rounded in another order; measured up to 1.24e-5 on these rows. The project's float32
 #: logprob bound.
@@ -27,25 +27,17 @@ ATOL = 2e-5
 
 
 def adapter(seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    """A random adapter for the tiny Qwen2's ``TARGETS`` (hidden 128; k/v width 64)."""
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for module in TARGETS:
-        width = 128 if module.endswith("q_proj") else 64
-        for part, shape in (("A", (4, 128)), ("B", (width, 4))):
-            name = f"{PEFT_PREFIX}{module}.lora_{part}.weight"
-            out[name] = scale * torch.randn(shape, generator=generator)
-    return out
+    return random_adapter(_base(), LORA, seed=seed, scale=scale)
+
+
+@functools.cache
+def _base() -> dict[str, torch.Tensor]:
+    """The tiny Qwen2's weights (the ``tiny_qwen2`` fixture's model)."""
+    return build_tiny_model("tiny-qwen2").state_dict()
 
 
 def merged(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``base`` with ``W + (alpha / r) B A`` in every target."""
-    out = dict(base)
-    for module in TARGETS:
-        a = lora[f"{PEFT_PREFIX}{module}.lora_A.weight"]
-        b = lora[f"{PEFT_PREFIX}{module}.lora_B.weight"]
-        out[f"{module}.weight"] = base[f"{module}.weight"] + LORA["alpha"] / LORA["rank"] * b @ a
-    return out
+    return merge_adapter(base, lora, LORA)
 
 
 @pytest.fixture(scope="module")

@@ -5,42 +5,37 @@ base refit and adapter refits mix in one run."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from gen_interface import WeightUpdateError
-from gen_interface.lora import PEFT_PREFIX
 from gen_interface.weights import Refitter, share_weights
+from gen_testkit.adapters import merge_adapter, random_adapter
+from gen_testkit.models import build_tiny_model
 from gen_testkit.strategies import pad_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 PROMPTS = [[5, 17, 42, 8], [99, 3], [7, 7, 7, 7, 7, 7], [300, 12, 40, 41, 43]]
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
-TARGETS = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")]
 #: float32, vLLM's LoRA kernels (x A^T B^T added to the base layer's output) against gen-hf
 #: with the merged weight: the project's float32 bound across backends.
 ATOL = 2e-5
 
 
 def adapter(seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for module in TARGETS:
-        width = 128 if module.endswith("q_proj") else 64
-        for part, shape in (("A", (4, 128)), ("B", (width, 4))):
-            out[f"{PEFT_PREFIX}{module}.lora_{part}.weight"] = scale * torch.randn(
-                shape, generator=generator
-            )
-    return out
+    return random_adapter(_base(), LORA, seed=seed, scale=scale)
+
+
+@functools.cache
+def _base() -> dict[str, torch.Tensor]:
+    """The tiny Qwen2's weights (the ``tiny_qwen2`` fixture's model)."""
+    return build_tiny_model("tiny-qwen2").state_dict()
 
 
 def merged(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = dict(base)
-    for module in TARGETS:
-        a = lora[f"{PEFT_PREFIX}{module}.lora_A.weight"]
-        b = lora[f"{PEFT_PREFIX}{module}.lora_B.weight"]
-        out[f"{module}.weight"] = base[f"{module}.weight"] + LORA["alpha"] / LORA["rank"] * b @ a
-    return out
+    return merge_adapter(base, lora, LORA)
 
 
 @pytest.fixture(scope="module")
