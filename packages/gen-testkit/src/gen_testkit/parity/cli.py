@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start each backend with batch_invariant: true where it offers it (others as usual)",
     )
+    parser.add_argument(
+        "--lm-head-fp32",
+        action="store_true",
+        help="start each backend with lm_head_fp32: true (the head in float32; compare a run "
+        "with and one without in the 'vs float32' column of a --dtype bfloat16 run)",
+    )
     return parser
 
 
@@ -114,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": args.dtype,
                 **PARITY_SETTINGS,
                 **routing,
+                "lm_head_fp32": args.lm_head_fp32,
             }
             backend = _start(name, settings, tokenizer, args.batch_invariant, progress)
             backend.clear_logger_metrics()  # tok/s: the run's own, from the backend's metrics
             backends.append(TimedBackend(name, backend))
         progress(f"loading the exact logits (a transformers forward pass, {args.dtype})")
         oracle = HfLogitsOracle(args.model, args.dtype)
+        float32 = None if args.dtype == "float32" else HfLogitsOracle(args.model, "float32")
         batches = parity_batches(vocab_size)
         plan = sampling_plan(vocab_size, args.samples)
         reference = backends[0]
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     tolerance=tolerance_for(args.dtype, across_backends=True),
                     dtype=args.dtype,
                     progress=progress,
+                    float32=float32,
                 )
             )
     finally:

@@ -19,6 +19,7 @@ _COLUMNS = (
     "sampling p-values (ref; cand)",
     "exact (ref, cand)",
     "routed experts same / near-tie / differ (ref; cand)",
+    "vs float32 mean e^|d| (ref, cand)",
     "tok/s (ref, cand)",
     "result",
 )
@@ -44,6 +45,9 @@ def format_table(reports: Sequence[PairReport]) -> str:
             ),
             ", ".join(_exact_cell(r, n) for n in names),
             "; ".join(_routing_cell(r, n) for n in names),
+            ", ".join(
+                f"{r.vs_float32[n].mean_exp_abs:.5f}" if n in r.vs_float32 else "n/a" for n in names
+            ),
             ", ".join(f"{r.tokens_per_s.get(n, 0):.0f}" for n in names),
             "PASS" if r.ok else "FAIL",
         ]

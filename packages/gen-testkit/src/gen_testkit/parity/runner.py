@@ -105,6 +105,9 @@ class PairReport:
     #: per backend, with ``return_routed_experts``: its rows' routing against transformers'
     #: routers on the same tokens (empty when the backends return none)
     routing: dict[str, RoutingComparison] = field(default_factory=dict)
+    #: per backend, in a reduced-precision run with a float32 reference: its greedy rollouts'
+    #: logprobs against the float32 model's on the same tokens (what ``lm_head_fp32`` narrows)
+    vs_float32: dict[str, LogprobError] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -222,6 +225,7 @@ class PairReport:
                 }
                 for name, r in self.routing.items()
             },
+            "vs_float32": {name: e.summary() for name, e in self.vs_float32.items()},
         }
 
 
@@ -261,16 +265,18 @@ def run_pair(
     tolerance: Tolerance,
     dtype: str,
     progress: Progress = lambda message: None,
+    float32: LogitsOracle | None = None,
 ) -> PairReport:
     """Compare ``candidate`` with ``reference``: greedy agreement, teacher-forced logprobs on
-    each other's outputs, processed logprobs and sampled first tokens against ``oracle``."""
+    each other's outputs, processed logprobs and sampled first tokens against ``oracle``; with
+    ``float32`` (the model in float32), each backend's greedy logprobs against it."""
     report = PairReport(reference.name, candidate.name, dtype, tolerance)
     report.batch_invariant = {
         b.name for b in (reference, candidate) if b.backend.config.get("batch_invariant")
     }
     for index, batch in enumerate(batches, 1):
         progress(f"batch {index}/{len(batches)}: {len(batch.prompts)} rows")
-        compare_batch(report, reference, candidate, batch, oracle)
+        compare_batch(report, reference, candidate, batch, oracle, float32)
     if plan is not None:
         compare_sampling(report, reference, candidate, plan, oracle, progress)
     report.tokens_per_s = {b.name: b.tokens_per_s for b in (reference, candidate)}
@@ -284,6 +290,7 @@ def compare_batch(
     candidate: TimedBackend,
     batch: ParityBatch,
     oracle: LogitsOracle,
+    float32: LogitsOracle | None = None,
 ) -> None:
     """Add one batch's greedy, teacher-forced and processed-logprob measurements to ``report``.
 
@@ -352,6 +359,11 @@ def compare_batch(
         report.teacher_forced.add(
             logprob_error(mine["logprobs"], theirs, mine, batch.prompt_lengths)
         )
+    if float32 is not None:
+        for timed, output in zip(pair, greedy):
+            report.vs_float32.setdefault(timed.name, LogprobError()).add(
+                against_oracle(output, batch.prompt_lengths, float32)
+            )
     model = getattr(oracle, "model", None)
     if isinstance(model, torch.nn.Module):
         for timed, output in zip((*pair, *pair), (*greedy, *sampled)):
@@ -360,6 +372,22 @@ def compare_batch(
                     timed.name, RoutingComparison()
                 ) + routing_against_model(output, model, report.tolerance.router_near_tie)
     report.rows += len(batch.prompts)
+
+
+def against_oracle(
+    output: Mapping[str, Any], prompt_lengths: Sequence[int], oracle: LogitsOracle
+) -> LogprobError:
+    """A greedy output's reported logprobs against ``oracle``'s raw logprobs of its tokens."""
+    error = LogprobError()
+    for i, start in enumerate(prompt_lengths):
+        end = int(output["unpadded_sequence_lengths"][i])
+        if end == start:
+            continue
+        sequence = output["output_ids"][i, :end].tolist()
+        logprobs = oracle.sequence_logits(sequence[:-1])[start - 1 : end - 1].log_softmax(-1)
+        expected = logprobs.gather(1, torch.tensor(sequence[start:end])[:, None]).squeeze(1)
+        error.add_values(output["logprobs"][i, start:end], expected)
+    return error
 
 
 def routing_against_model(
