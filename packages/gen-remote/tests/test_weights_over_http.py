@@ -72,3 +72,30 @@ def test_a_server_on_another_machine_is_refitted_through_the_collective_path(
         assert metrics["refits_total"] == 2 and metrics["weight_version"] == back
     finally:
         client.shutdown()
+
+
+def test_an_adapter_refit_over_http_serves_the_merged_model(tiny_qwen2: TinyModel):
+    """A server whose backend serves a LoRA adapter takes adapter-only refits through the client
+    (the server's setting: the client's config names no lora), and answers as the base model
+    with the adapter merged."""
+    from gen_testkit.adapters import merge_adapter, random_adapter
+    from servers import hf_backend, serve
+
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    server = serve(hf_backend(tiny_qwen2, lora=lora), tiny_qwen2)
+    merged = hf_backend(tiny_qwen2)
+    client = create_generation_backend(remote_config(server))
+    batch = pad_prompts(PROMPTS, "left")
+    try:
+        adapter = random_adapter(tiny_qwen2.state_dict(), lora, seed=7)
+        with Refitter(client) as refitter:
+            version = refitter.refit(adapter)
+        merged.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), adapter, lora))
+        mine, theirs = client.generate(batch, greedy=True), merged.generate(batch, greedy=True)
+        assert torch.equal(mine["output_ids"], theirs["output_ids"])
+        torch.testing.assert_close(mine["logprobs"], theirs["logprobs"], atol=2e-5, rtol=0)
+        assert mine["weight_version"].tolist() == [version] * len(PROMPTS)
+    finally:
+        client.shutdown()
+        merged.shutdown()
+        server.stop()
