@@ -145,8 +145,8 @@ class GenerationOutputSpec(TypedDict):
     topk_logprobs: torch.Tensor
     # Only with return_routed_experts. int16 [B, L, layers, top_k]: at every position the model
     # read (the prompt and every generated token but the last, which was sampled, never fed),
-    # the ids of the top_k experts each MoE layer routed that token to, highest router weight
-    # first; -1 at the last generated token and past the row's end.
+    # the ids of the top_k experts each MoE layer routed that token to (as a set: their order is
+    # the backend's); -1 at the last generated token and past the row's end.
     routed_experts: NotRequired[torch.Tensor]
 
 

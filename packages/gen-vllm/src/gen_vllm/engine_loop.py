@@ -319,10 +319,8 @@ class EngineLoop:
         """The routing of ended requests (forgotten by the worker); nothing when not read."""
         if not self._routing or not request_ids:
             return {}
-        taken: dict[str, bytes] = self.engine.collective_rpc("take_routed_experts", (request_ids,))[
-            0
-        ]
-        return taken
+        per_rank = self.engine.collective_rpc("take_routed_experts", (request_ids,))
+        return cast(dict[str, bytes], per_rank[0])  # every rank read the same routing
 
     def _fail_all(self, reason: str, error: type[GenerationError] = GenerationError) -> None:
         pending, self._pending = self._pending, {}
