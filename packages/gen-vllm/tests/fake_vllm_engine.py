@@ -30,6 +30,7 @@ running beside it, as GPU kernels' results shift with batch shape).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,6 +43,7 @@ from gen_interface.row_sampling import RowSampling
 from gen_interface.sampling import select_next_tokens
 from gen_interface.scoring import scored_row
 from gen_interface.weights.collective import CollectiveEndpoint, join_weight_group
+from gen_testkit.routing import reference_routing
 from gen_vllm.engine import EngineLimits, StepOutput
 from gen_vllm.extension import UpdatableVllmInternalWorker
 from gen_vllm.receive import receive_load
@@ -113,7 +115,17 @@ class FakeEngine:
         self.sleep_enabled = bool(engine_args.get("enable_sleep_mode"))
         self.processed = engine_args.get("logprobs_mode") == "processed_logprobs"
         config = AutoConfig.from_pretrained(model)
-        self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        # vLLM's own routed-experts option (GPU, Model Runner V2): each finished request's
+        # routing of every position read, [prompt + generated - 1, layers, top_k]
+        self.routed_top_k = (
+            int(config.num_experts_per_tok)
+            if engine_args.get("enable_return_routed_experts")
+            else 0
+        )
+        # from_pretrained: transformers converts the checkpoint's layout where its own differs
+        # (an MoE's per-expert weights into fused ones); updates load by checkpoint names, which
+        # covers the dense models the fake's update tests use
+        self._model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         checkpoint = load_file(str(Path(model) / "model.safetensors"))
         tp = int(engine_args.get("tensor_parallel_size", 1))
         bundles = os.environ.get("VLLM_RAY_BUNDLE_INDICES", "").split(",")
@@ -131,7 +143,13 @@ class FakeEngine:
         self.paused = False
         self._requests: dict[str, _Request] = {}
         self._loaded_version = -1
-        self._log("start", tp=tp, sleep_enabled=self.sleep_enabled)
+        self._log(
+            "start",
+            tp=tp,
+            sleep_enabled=self.sleep_enabled,
+            routed_experts=bool(self.routed_top_k),
+            v2_runner=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        )
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -154,6 +172,10 @@ class FakeEngine:
                 output = request.advance(request_id, model, self.processed, shift)
                 if self._fault("rows"):
                     output = StepOutput(request_id, output.token_ids, output.logprobs, "error")
+                if output.finish_reason is not None and self.routed_top_k:
+                    read = request.sequence[:-1]  # the last token was sampled, never fed
+                    routing = reference_routing(model, read, self.routed_top_k).experts
+                    output = dataclasses.replace(output, routed_experts=routing.numpy())
                 outputs.append(output)
                 if output.finish_reason is not None:
                     del self._requests[request_id]
@@ -286,6 +308,18 @@ class FakeRank(UpdatableVllmInternalWorker):
 
     def report_device_id(self) -> str:
         return self._device_id
+
+    def capture_routed_experts(self, native: bool = False) -> list[int] | str:
+        """The real extension's answer for a capture (the fake's model has no vLLM MoE layer);
+        for vLLM's own option, the model config's MoE shape, as ``moe_shape`` reads it."""
+        if not native:
+            return super().capture_routed_experts(native)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_config.model)
+        if not getattr(config, "num_experts_per_tok", 0):
+            return "the model has no MoE layer"
+        return [config.num_hidden_layers, config.num_experts_per_tok, config.num_experts]
 
     # vLLM's Worker side of a weight update (gpu_worker.py), around this project's receiving
     # code (receive.py), as the real transfer engine runs it.

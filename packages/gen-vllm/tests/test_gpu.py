@@ -27,14 +27,18 @@ def gpu_backends(ray_session):
 
     made = []
 
-    def make(model_path, *, colocated=False, bundles=1, tp=1, prefix="gpu", **extra):
+    def make(model_path, *, colocated=False, bundles=1, tp=1, prefix="gpu", vllm_cfg=None, **extra):
         cluster = RayVirtualCluster([bundles], use_gpus=True, max_colocated_worker_groups=2)
         config = conformance_config(
             backend="vllm",
             model_name=str(model_path),
             vocab_size=512,
             colocated={"enabled": colocated},
-            vllm_cfg={"gpu_memory_utilization": 0.2, "tensor_parallel_size": tp},
+            vllm_cfg={
+                "gpu_memory_utilization": 0.2,
+                "tensor_parallel_size": tp,
+                **(vllm_cfg or {}),
+            },
             **extra,
         )
         backend = VllmGeneration(cluster, config, prefix)
@@ -154,3 +158,28 @@ def test_batch_invariant_mode_gives_a_row_the_same_logprobs_in_any_batch(gpu_bac
         n = int(alone["unpadded_sequence_lengths"][0])
         assert torch.equal(together["output_ids"][i, :n], alone["output_ids"][0, :n])
         assert torch.equal(together["logprobs"][i, :n], alone["logprobs"][0, :n])
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_routed_experts_on_gpu_route_as_transformers_does(
+    gpu_backends, tiny_qwen3_moe, enforce_eager
+):
+    """Eager: the worker's capture; compiled: vLLM's own option (Model Runner V2). Both give
+    every read position's experts as transformers' routers choose them, float32."""
+    from gen_testkit.routing import compare_routing, reference_routing
+    from transformers import AutoModelForCausalLM
+
+    backend = gpu_backends(
+        tiny_qwen3_moe.path,
+        return_routed_experts=True,
+        vllm_cfg={"enforce_eager": enforce_eager},
+    )
+    out = greedy(backend)
+    totals = out["unpadded_sequence_lengths"].tolist()
+    sequences = [out["output_ids"][i, :n].tolist() for i, n in enumerate(totals)]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_moe.path), dtype=torch.float32)
+    result = compare_routing(
+        [out["routed_experts"][i, : n - 1] for i, n in enumerate(totals)],
+        [reference_routing(model, s, 2) for s in sequences],
+    )
+    assert result.compared and not result.mismatches, result

@@ -17,8 +17,10 @@ import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationConfigError
 from gen_testkit.conformance import ConformanceSubject
+from gen_testkit.routing import compare_routing, reference_routing
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.routed_experts import RoutedExpertsProperties
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -114,19 +116,50 @@ def test_a_prompt_the_prefix_cache_holds_still_routes_whole(vllm_moe):
     assert (first["routed_experts"][0, : len(prompt)] >= 0).all()
 
 
-def test_refused_without_enforce_eager(tiny_qwen3_moe):
+def test_without_enforce_eager_cpu_refuses_and_gpus_use_vllms_own_option(tiny_qwen3_moe):
     from gen_testkit.conformance import conformance_config
     from gen_vllm import VllmGeneration
+    from gen_vllm.engine_args import engine_args_for, engine_env
 
-    config = conformance_config(
-        backend="vllm",
-        model_name=str(tiny_qwen3_moe.path),
-        vocab_size=tiny_qwen3_moe.vocab_size,
-        return_routed_experts=True,
-        vllm_cfg={"enforce_eager": False},
+    config = VllmGeneration.complete_config(
+        conformance_config(
+            backend="vllm",
+            model_name=str(tiny_qwen3_moe.path),
+            vocab_size=tiny_qwen3_moe.vocab_size,
+            return_routed_experts=True,
+            vllm_cfg={"enforce_eager": False},
+        )
     )
     with pytest.raises(GenerationConfigError, match="enforce_eager to true"):
-        VllmGeneration.complete_config(config)
+        engine_args_for(config, use_gpus=False)
+    assert engine_args_for(config, use_gpus=True)["enable_return_routed_experts"] is True
+    assert engine_env(config, use_gpus=True) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    eager = VllmGeneration.complete_config(dict(config, vllm_cfg={"enforce_eager": True}))
+    assert "enable_return_routed_experts" not in engine_args_for(eager, use_gpus=True)
+
+
+def test_vllms_own_option_on_gpus_gives_the_same_output(own, tiny_qwen3_moe):
+    """With compiled forwards on GPUs (the fake engine follows vLLM's contract: a finished
+    request's ``routed_experts``, every position read), rows carry the routing as in eager
+    mode: transformers' routers on the same tokens."""
+    backend = own.backend(
+        own.cluster([1]),
+        tiny_qwen3_moe,
+        extra={"return_routed_experts": True},
+        enforce_eager=False,
+    )
+    from fake_backends import pid_of
+    from fake_vllm_engine import read_events
+
+    mine = [e for e in read_events(own.log_dir) if e["pid"] == pid_of(backend)]
+    start = next(e for e in mine if e["event"] == "start")
+    assert start["routed_experts"] and start["v2_runner"] == "1"
+    out = backend.generate(pad_prompts(PROMPTS, "right"), greedy=True)
+    sequences, got = _generated(out)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_moe.path), dtype=torch.float32)
+    result = compare_routing(got, [reference_routing(model, s, 2) for s in sequences])
+    assert result.compared == 2 * sum(len(s) - 1 for s in sequences)
+    assert result.equal == result.compared, result
 
 
 def test_an_engine_without_moe_layers_refuses_and_leaves_nothing_running(

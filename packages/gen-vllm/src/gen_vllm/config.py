@@ -111,12 +111,6 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
     _positive_number(cfg, "cpu_kv_cache_gib")
     for key in ("startup_timeout_s", "generate_timeout_s", "update_timeout_s", "control_timeout_s"):
         _positive_number(cfg, key)
-    if out.get("return_routed_experts") and not cfg["enforce_eager"]:
-        raise GenerationConfigError(
-            "return_routed_experts is true but vllm_cfg.enforce_eager is false: a compiled or "
-            "CUDA-graph forward was traced without the routing capture and would return none; "
-            "set vllm_cfg.enforce_eager to true"
-        )
     out["vllm_cfg"] = cfg
     out.setdefault("vllm_kwargs", {})
     return cast(VllmConfig, out)

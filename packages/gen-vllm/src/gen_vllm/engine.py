@@ -64,6 +64,9 @@ class StepOutput:
             that asked for ``prompt_logprobs=k`` with k >= 1.
         cached_tokens: once the request finished, how many of its prompt tokens vLLM found in
             its prefix cache (``RequestOutput.num_cached_tokens``); None before.
+        routed_experts: once the request finished, with vLLM's own routed-experts option
+            (GPU): int ``[positions read, layers, top_k]`` (``CompletionOutput.routed_experts``);
+            None otherwise.
     """
 
     request_id: str
@@ -76,6 +79,7 @@ class StepOutput:
     prompt_topk_ids: list[list[int]] | None = None
     prompt_topk_logprobs: list[list[float]] | None = None
     cached_tokens: int | None = None
+    routed_experts: Any = None
 
 
 class EngineProtocol(Protocol):
@@ -206,6 +210,7 @@ class VllmEngine:
                     prompt_topk_ids=[ids for ids, _ in prompt_top] if prompt_top else None,
                     prompt_topk_logprobs=[v for _, v in prompt_top] if prompt_top else None,
                     cached_tokens=int(request.num_cached_tokens or 0) if request.finished else None,
+                    routed_experts=completion.routed_experts if request.finished else None,
                 )
             )
         return outputs

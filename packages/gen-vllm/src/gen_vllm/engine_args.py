@@ -69,6 +69,38 @@ def sleeps_on_finish(config: VllmConfig, *, use_gpus: bool) -> bool:
     return bool(setting)
 
 
+def routing_mode(config: VllmConfig, *, use_gpus: bool) -> str | None:
+    """How routed experts are read (``return_routed_experts``): ``"capture"`` in the worker
+    (an eager forward), ``"native"`` by vLLM's own option (a GPU with compiled or CUDA-graph
+    forwards), None when not asked.
+
+    Raises:
+        GenerationConfigError: asked on CPU without ``enforce_eager`` (a compiled forward was
+            traced without the capture, and the CPU build has no own option).
+    """
+    if not config.get("return_routed_experts"):
+        return None
+    if config["vllm_cfg"]["enforce_eager"]:
+        return "capture"
+    if use_gpus:
+        return "native"
+    raise GenerationConfigError(
+        "return_routed_experts is true but vllm_cfg.enforce_eager is false: on CPU a compiled "
+        "forward was traced without the routing capture (and vLLM's own option needs Triton); "
+        "set vllm_cfg.enforce_eager to true"
+    )
+
+
+def engine_env(config: VllmConfig, *, use_gpus: bool) -> dict[str, str]:
+    """Environment variables each engine needs for ``config`` (set before vLLM is imported)."""
+    env = {}
+    if config.get("batch_invariant", False):
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    if routing_mode(config, use_gpus=use_gpus) == "native":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # what enable_return_routed_experts runs on
+    return env
+
+
 def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
     """``vllm.EngineArgs`` keyword arguments (all but ``model`` and ``worker_extension_cls``)."""
     cfg = config["vllm_cfg"]
@@ -114,6 +146,8 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             "engine dies on the first large batch"
         )
     args.update(passed)
+    if routing_mode(config, use_gpus=use_gpus) == "native":
+        args["enable_return_routed_experts"] = True
     section = config.get("lora")
     if section:
         try:

@@ -18,10 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast, get_args
 
+import numpy as np
 from gen_interface import BackendBrokenError, FinishReason, GenerationError
 
 from gen_vllm.engine import EngineProtocol, StepOutput
 from gen_vllm.messages import RowOutput, RowRequest, TokenDelta
+from gen_vllm.routing import to_wire
 from gen_vllm.token_feed import TokenFeed
 
 __all__ = ["EngineFailedError", "EngineLoop"]
@@ -74,7 +76,10 @@ class EngineLoop:
         self._stopped = False
         self._failure: str | None = None
         self._version = 0
-        self._routing = False  # requests read no prefix cache; rows carry their routing
+        #: rows carry their routing, read in the worker ("capture": requests then read no
+        #: prefix cache) or by vLLM's own option ("native"); None: not asked
+        self._routing: str | None = None
+        self._experts = 0  # experts per MoE layer (the routing's wire dtype)
         #: ``LoRARequest`` fields of the adapter every request is served with, or None.
         self.adapter: dict[str, Any] | None = None
         #: New tokens of the rows that stream, step by step.
@@ -95,7 +100,7 @@ class EngineLoop:
         def add() -> None:
             self._check_usable()
             params = request.params
-            if self._routing:  # a position read from the cache would have no routing
+            if self._routing == "capture":  # a position read from the cache has no routing
                 params = {**params, "skip_reading_prefix_cache": True}
             if self.adapter is not None:
                 params = {**params, "lora_request": self.adapter}
@@ -163,11 +168,13 @@ class EngineLoop:
         self._abort(ids, report=True)
         return len(ids)
 
-    def capture_routing(self) -> list[int] | str:
-        """Read every request's MoE routing from now on: ``[layers, top_k, experts]``, or why
-        the engine cannot (see ``UpdatableVllmInternalWorker.capture_routed_experts``)."""
-        shape: list[int] | str = self.engine.collective_rpc("capture_routed_experts")[0]
-        self._routing = not isinstance(shape, str)
+    def capture_routing(self, native: bool = False) -> list[int] | str:
+        """Return every request's MoE routing from now on, read in the worker, or (``native``)
+        as vLLM's own option returns it: ``[layers, top_k, experts]``, or why the engine cannot
+        (see ``UpdatableVllmInternalWorker.capture_routed_experts``)."""
+        shape: list[int] | str = self.engine.collective_rpc("capture_routed_experts", (native,))[0]
+        if not isinstance(shape, str):
+            self._routing, self._experts = ("native" if native else "capture"), int(shape[2])
         return shape
 
     def set_version(self, version: int) -> None:
@@ -282,6 +289,8 @@ class EngineLoop:
             out.prompt_topk_logprobs = step.prompt_topk_logprobs
         if step.cached_tokens is not None:
             out.cached_tokens = step.cached_tokens
+        if step.routed_experts is not None and self._routing == "native":
+            out.routed_experts = to_wire(np.asarray(step.routed_experts), self._experts)
         if step.finish_reason is not None:
             del self._pending[step.request_id]
             if step.finish_reason not in get_args(FinishReason):
@@ -312,12 +321,13 @@ class EngineLoop:
     def _finish(self, pending: _Pending) -> None:
         out = pending.output
         out.weight_version = out.weight_versions[0] if out.weight_versions else self._version
-        out.routed_experts = self._take_routing([pending.request_id]).get(pending.request_id)
+        if self._routing == "capture":
+            out.routed_experts = self._take_routing([pending.request_id]).get(pending.request_id)
         _resolve(pending.future, out)
 
     def _take_routing(self, request_ids: list[str]) -> dict[str, bytes]:
         """The routing of ended requests (forgotten by the worker); nothing when not read."""
-        if not self._routing or not request_ids:
+        if self._routing != "capture" or not request_ids:
             return {}
         per_rank = self.engine.collective_rpc("take_routed_experts", (request_ids,))
         return cast(dict[str, bytes], per_rank[0])  # every rank read the same routing

@@ -56,12 +56,15 @@ class UpdatableVllmInternalWorker:
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
 
-    def capture_routed_experts(self) -> list[int] | str:
-        """Start reading every forward's MoE routing (``gen_vllm.routing``): returns
-        ``[MoE layers, top_k, experts per layer]``, or why it cannot (no MoE layer, ...)."""
-        from gen_vllm.routing import RoutingCapture
+    def capture_routed_experts(self, native: bool = False) -> list[int] | str:
+        """Start reading every forward's MoE routing (``gen_vllm.routing``), or with
+        ``native`` only describe it (vLLM's own option reads it): returns ``[MoE layers,
+        top_k, experts per layer]``, or why it cannot (no MoE layer, ...)."""
+        from gen_vllm.routing import RoutingCapture, moe_shape
 
         try:
+            if native:
+                return list(moe_shape(self.model_runner))
             capture = self._gen_routing = RoutingCapture(self.model_runner)
         except ValueError as exc:
             return str(exc)

@@ -39,7 +39,7 @@ from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
 from gen_vllm.engine import EngineFactory
-from gen_vllm.engine_args import engine_args_for
+from gen_vllm.engine_args import engine_args_for, engine_env, routing_mode
 from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens, TokenDelta
 from gen_vllm.params import row_sampling_params
 from gen_vllm.receive import LoadInfo
@@ -117,11 +117,10 @@ class VllmGeneration(GenerationBackend):
                 control_s=cfg["control_timeout_s"],
             ),
             engine_factory=engine_factory,
-            env={"VLLM_BATCH_INVARIANT": "1"} if config.get("batch_invariant", False) else {},
+            env=engine_env(config, use_gpus=cluster.use_gpus),
         )
-        self._routing = (
-            self._capture_routing(config) if config.get("return_routed_experts") else None
-        )
+        mode = routing_mode(config, use_gpus=cluster.use_gpus)
+        self._routing = self._capture_routing(config, mode == "native") if mode else None
         first = self.replicas.infos[0]
         checkpoint = {
             name: (torch.Size(shape), getattr(torch, dtype))
@@ -166,14 +165,15 @@ class VllmGeneration(GenerationBackend):
             raise GenerationConfigError(f"lora: {exc}") from exc
         return specs
 
-    def _capture_routing(self, config: VllmConfig) -> tuple[int, int, int]:
-        """Have every replica return its rows' routing: ``(layers, top_k, experts)``.
+    def _capture_routing(self, config: VllmConfig, native: bool) -> tuple[int, int, int]:
+        """Have every replica return its rows' routing (``native``: vLLM's own option reads
+        it): ``(layers, top_k, experts)``.
 
         Raises:
             GenerationConfigError: an engine cannot (not an MoE model, ...); the engines are
                 shut down.
         """
-        shapes = self.replicas.capture_routed_experts()
+        shapes = self.replicas.capture_routed_experts(native)
         for shape in shapes:
             if isinstance(shape, str):
                 self.replicas.shutdown()
@@ -251,7 +251,7 @@ class VllmGeneration(GenerationBackend):
             refit_bucket_bytes=(64 if on_gpu else 128) * 2**20,
             refit_buffers=2 if on_gpu else 1,
             batch_invariant=on_gpu,
-            routed_experts=bool(self.config["vllm_cfg"]["enforce_eager"]),
+            routed_experts=bool(self.config["vllm_cfg"]["enforce_eager"]) or on_gpu,
             notes=tuple(notes),
         )
 

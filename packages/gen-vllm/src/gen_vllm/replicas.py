@@ -158,11 +158,11 @@ class ReplicaSet:
             [a.wake_up.remote(tags) for a in self.actors], self.timeouts.control_s, "wake_up"
         )
 
-    def capture_routed_experts(self) -> list[list[int] | str]:
-        """Every replica returns its rows' MoE routing from now on: each one's
-        ``[layers, top_k, experts]``, or why it cannot."""
+    def capture_routed_experts(self, native: bool = False) -> list[list[int] | str]:
+        """Every replica returns its rows' MoE routing from now on (``native``: as vLLM's own
+        option reads it): each one's ``[layers, top_k, experts]``, or why it cannot."""
         return self._wait(
-            [a.capture_routed_experts.remote() for a in self.actors],
+            [a.capture_routed_experts.remote(native) for a in self.actors],
             self.timeouts.control_s,
             "capture_routed_experts",
         )

@@ -10,7 +10,9 @@ each forward's tokens (``[tokens, top_k]``), and a wrapper around the model runn
 after preemption (or after a paused update) overwrites what it read before.
 
 Only an eager model calls the capture function (a compiled or CUDA-graph forward was traced
-without it): the config refuses ``return_routed_experts`` without ``enforce_eager``. Requests
+without it). On a GPU with ``enforce_eager`` off, vLLM's own ``enable_return_routed_experts``
+(Model Runner V2, Triton) returns each finished request's routing instead, in the same layout;
+on CPU, ``return_routed_experts`` without ``enforce_eager`` is refused. Requests
 must not read the prefix cache (``skip_reading_prefix_cache``): a cached position is never fed,
 so it would have no routing. Speculative decoding is refused (draft tokens are fed, then
 rejected).
@@ -24,7 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["WIRE_DTYPES", "RoutingCapture", "read_routing", "wire_dtype"]
+__all__ = [
+    "WIRE_DTYPES",
+    "RoutingCapture",
+    "moe_runners",
+    "moe_shape",
+    "read_routing",
+    "to_wire",
+    "wire_dtype",
+]
 
 #: The dtypes routing crosses process boundaries in: one byte while every id and the "not read"
 #: mark fit (as prime-rl sends it), else two.
@@ -48,7 +58,34 @@ def read_routing(blob: bytes | None, shape: tuple[int, int, int]) -> torch.Tenso
     return torch.from_numpy(array).reshape(-1, layers, top_k)
 
 
-def _to_wire(ids: np.ndarray, num_experts: int) -> bytes:
+def moe_runners(model_runner: Any) -> list[Any]:
+    """The MoE layers (``MoERunner``) of a vLLM model runner's model, in model order.
+
+    Raises:
+        ValueError: there is none, or one routes inside a fused kernel (no capture function).
+    """
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    moe = [m for m in model_runner.get_model().modules() if isinstance(m, MoERunner)]
+    if not moe:
+        raise ValueError("the model has no MoE layer")
+    moe.sort(key=lambda m: m.layer_id)  # the decoder layer's index
+    bad = [m.layer_name for m in moe if m.is_monolithic or not isinstance(m.router, BaseRouter)]
+    if bad:
+        raise ValueError(f"MoE layer {bad[0]} routes inside a fused kernel: no capture")
+    return moe
+
+
+def moe_shape(model_runner: Any) -> tuple[int, int, int]:
+    """``(MoE layers, top_k, experts per layer)`` of a model runner's model (``moe_runners``)."""
+    routers: list[Any] = [m.router for m in moe_runners(model_runner)]
+    experts = max(int(router.global_num_experts) for router in routers)
+    return len(routers), int(routers[0].top_k), experts
+
+
+def to_wire(ids: np.ndarray, num_experts: int) -> bytes:
+    """``[positions, layers, top_k]`` ids (-1: not read) in the wire dtype, as bytes."""
     if wire_dtype(num_experts) == "uint8":
         return np.where(ids < 0, _UNREAD_UINT8, ids).astype(np.uint8).tobytes()
     return ids.tobytes()
@@ -68,24 +105,15 @@ class RoutingCapture:
 
     def __init__(self, model_runner: Any):
         from vllm.config import CompilationMode
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
         runner = model_runner
-        moe = [m for m in runner.get_model().modules() if isinstance(m, MoERunner)]
-        if not moe:
-            raise ValueError("the model has no MoE layer")
-        moe.sort(key=lambda m: m.layer_id)  # the decoder layer's index
-        bad = [m.layer_name for m in moe if m.is_monolithic or not isinstance(m.router, BaseRouter)]
-        if bad:
-            raise ValueError(f"MoE layer {bad[0]} routes inside a fused kernel: no capture")
+        moe = moe_runners(runner)
         if runner.vllm_config.compilation_config.mode != CompilationMode.NONE:
             raise ValueError("the forward is compiled (set vllm_cfg.enforce_eager to true)")
         if runner.speculative_config is not None:
             raise ValueError("speculative decoding feeds draft tokens it may reject")
         routers: list[Any] = [m.router for m in moe]
-        self.layers, self.top_k = len(moe), int(routers[0].top_k)
-        self.experts = int(max(router.global_num_experts for router in routers))
+        self.layers, self.top_k, self.experts = moe_shape(runner)
         self._runner = runner
         self._forward: dict[int, Any] = {}  # layer slot -> [tokens, top_k] of this forward
         self._rows: dict[str, np.ndarray] = {}  # request -> int16 [capacity, layers, top_k]
@@ -146,7 +174,7 @@ class RoutingCapture:
         for internal in [r for r in self._rows if _external_id(r) in wanted]:
             filled = self._filled.pop(internal)
             row = self._rows.pop(internal)[:filled]
-            out[_external_id(internal)] = _to_wire(row, self.experts)
+            out[_external_id(internal)] = to_wire(row, self.experts)
         return out
 
 

@@ -121,10 +121,10 @@ class VllmGenerationWorker:
             )
         return self._info
 
-    async def capture_routed_experts(self) -> list[int] | str:
-        """Return every row's MoE routing from now on: ``[layers, top_k, experts]``, or why
-        this engine cannot."""
-        return await self._loop.call(self._loop.capture_routing)
+    async def capture_routed_experts(self, native: bool = False) -> list[int] | str:
+        """Return every row's MoE routing from now on (``native``: vLLM's own option reads
+        it): ``[layers, top_k, experts]``, or why this engine cannot."""
+        return await self._loop.call(lambda: self._loop.capture_routing(native))
 
     async def use_adapter(self, settings: dict[str, Any], adapter_path: str | None) -> None:
         """Serve every row with a LoRA adapter: the PEFT directory ``adapter_path``, or a zero
