@@ -88,7 +88,7 @@ def to_wire(ids: np.ndarray, num_experts: int) -> bytes:
     """``[positions, layers, top_k]`` ids (-1: not read) in the wire dtype, as bytes."""
     if wire_dtype(num_experts) == "uint8":
         return np.where(ids < 0, _UNREAD_UINT8, ids).astype(np.uint8).tobytes()
-    return ids.tobytes()
+    return ids.astype(np.int16).tobytes()  # vLLM's own arrays may be uint16 or int32
 
 
 class RoutingCapture:
