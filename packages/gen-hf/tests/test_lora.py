@@ -4,7 +4,6 @@ refit and adapter refits mix in one run, each a verified transaction with its ve
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from gen_hf import HfConfig, HfGeneration
 from gen_interface import GenerationConfigError, WeightUpdateError
 from gen_interface.weights import Refitter
 from gen_testkit.adapters import merge_adapter, random_adapter
-from gen_testkit.models import TinyModel, build_tiny_model
+from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
 
 PROMPTS = [[5, 17, 42, 8], [99, 3], [7, 7, 7, 7, 7, 7], [300, 12, 40, 41, 43]]
@@ -24,20 +23,6 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 #: same sum rounded in another order; measured up to 1.24e-5 on these rows. The project's float32
 #: logprob bound.
 ATOL = 2e-5
-
-
-def adapter(seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    return random_adapter(_base(), LORA, seed=seed, scale=scale)
-
-
-@functools.cache
-def _base() -> dict[str, torch.Tensor]:
-    """The tiny Qwen2's weights (the ``tiny_qwen2`` fixture's model)."""
-    return build_tiny_model("tiny-qwen2").state_dict()
-
-
-def merged(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return merge_adapter(base, lora, LORA)
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +55,10 @@ def test_after_an_adapter_refit_outputs_are_the_merged_models(backends, tiny_qwe
     adapted, plain = backends
     before = adapted.weight_version
     for seed in (1, 2):  # twice: the second replaces the first
-        lora = adapter(seed)
+        lora = random_adapter(tiny_qwen2.state_dict(), LORA, seed=seed)
         with Refitter(adapted) as refitter:
             refitter.refit(lora)
-        plain.update_weights_from_state_dict(merged(tiny_qwen2.state_dict(), lora))
+        plain.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), lora, LORA))
         _same_outputs(adapted, plain)
     assert adapted.weight_version == before + 2
     out = adapted.generate(pad_prompts(PROMPTS[:1], "right"), greedy=True)
@@ -82,11 +67,12 @@ def test_after_an_adapter_refit_outputs_are_the_merged_models(backends, tiny_qwe
 
 def test_a_refit_dropped_midway_leaves_the_previous_adapter_serving(backends, tiny_qwen2):
     adapted, plain = backends
-    served = adapter(3)
+    served = random_adapter(tiny_qwen2.state_dict(), LORA, seed=3)
     adapted.update_weights_from_state_dict(served)
-    plain.update_weights_from_state_dict(merged(tiny_qwen2.state_dict(), served))
+    plain.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), served, LORA))
     version = adapted.weight_version
-    half = dict(list(adapter(4, scale=1.0).items())[:4])
+    unfinished = random_adapter(tiny_qwen2.state_dict(), LORA, seed=4, scale=1.0)
+    half = dict(list(unfinished.items())[:4])
     adapted.start_weight_update()
     adapted.update_weights_from_state_dict(half)  # written to the staged copy
     with pytest.raises(WeightUpdateError, match=r"missing .*lora"):
@@ -97,7 +83,7 @@ def test_a_refit_dropped_midway_leaves_the_previous_adapter_serving(backends, ti
 
 def test_an_update_carries_the_base_the_adapter_or_both_each_whole(backends, tiny_qwen2):
     adapted, plain = backends
-    base, lora = tiny_qwen2.state_dict(), adapter(5)
+    base, lora = tiny_qwen2.state_dict(), random_adapter(tiny_qwen2.state_dict(), LORA, seed=5)
     partial = dict(list(lora.items())[:-1])
     with pytest.raises(WeightUpdateError, match="its base, its adapter, or both"):
         adapted.update_weights_from_state_dict(partial)
@@ -106,10 +92,10 @@ def test_an_update_carries_the_base_the_adapter_or_both_each_whole(backends, tin
     # the base alone (a full refit, the adapter kept), then both at once
     shifted = {name: t * 0.9 if t.dim() == 2 else t for name, t in base.items()}
     adapted.update_weights_from_state_dict({**shifted, **lora})
-    plain.update_weights_from_state_dict(merged(shifted, lora))
+    plain.update_weights_from_state_dict(merge_adapter(shifted, lora, LORA))
     _same_outputs(adapted, plain)
     adapted.update_weights_from_state_dict(base)
-    plain.update_weights_from_state_dict(merged(base, lora))
+    plain.update_weights_from_state_dict(merge_adapter(base, lora, LORA))
     _same_outputs(adapted, plain)
 
 
@@ -119,14 +105,14 @@ def test_a_peft_adapter_directory_is_read(
     from safetensors.torch import save_file
 
     _, plain = backends
-    lora = adapter(6)
+    lora = random_adapter(tiny_qwen2.state_dict(), LORA, seed=6)
     (tmp_path / "adapter_config.json").write_text(
         json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     )
     save_file(lora, str(tmp_path / "adapter_model.safetensors"))
     from_file = HfGeneration(make_config(tiny_qwen2, lora={"adapter_path": str(tmp_path)}))
     try:
-        plain.update_weights_from_state_dict(merged(tiny_qwen2.state_dict(), lora))
+        plain.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), lora, LORA))
         _same_outputs(from_file, plain)
     finally:
         from_file.shutdown()

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from gen_interface import BatchedDataDict, GenerationConfigError, create_generation_backend
+from gen_interface import GenerationConfigError, create_generation_backend
 from gen_testkit.conformance import ConformanceSubject, conformance_config
 from gen_testkit.models import TinyModel
-from gen_testkit.strategies import pad_prompts
+from gen_testkit.strategies import pad_prompts, score_batch
 from gen_testkit.suite.routed_experts import RoutedExpertsProperties
 from remote_servers import remote_config
 from servers import ServerThread, hf_backend, serve
@@ -80,15 +80,7 @@ def test_generated_rows_carry_the_servers_backend_routing(
 
 def test_score_carries_every_positions_routing(client: Any, moe_server: ServerThread):
     sequences = [[*p, 11, 12] for p in PROMPTS]
-    width = max(map(len, sequences))
-    ids = torch.zeros((len(sequences), width), dtype=torch.int64)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-    data = BatchedDataDict(
-        input_ids=ids,
-        prompt_lengths=torch.tensor([len(p) for p in PROMPTS]),
-        unpadded_sequence_lengths=torch.tensor([len(s) for s in sequences]),
-    )
+    data = score_batch(sequences, [len(p) for p in PROMPTS])
     local = moe_server.state.backend.score_top_logprobs(data, 0)["routed_experts"]
     assert torch.equal(client.score_top_logprobs(data, 0)["routed_experts"], local)
 

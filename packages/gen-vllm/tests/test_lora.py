@@ -5,15 +5,12 @@ base refit and adapter refits mix in one run."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from gen_interface import WeightUpdateError
 from gen_interface.weights import Refitter, share_weights
 from gen_testkit.adapters import merge_adapter, random_adapter
-from gen_testkit.models import build_tiny_model
-from gen_testkit.strategies import pad_prompts
+from gen_testkit.strategies import pad_prompts, score_batch
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -22,20 +19,6 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 #: float32, vLLM's LoRA kernels (x A^T B^T added to the base layer's output) against gen-hf
 #: with the merged weight: the project's float32 bound across backends.
 ATOL = 2e-5
-
-
-def adapter(seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    return random_adapter(_base(), LORA, seed=seed, scale=scale)
-
-
-@functools.cache
-def _base() -> dict[str, torch.Tensor]:
-    """The tiny Qwen2's weights (the ``tiny_qwen2`` fixture's model)."""
-    return build_tiny_model("tiny-qwen2").state_dict()
-
-
-def merged(base: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return merge_adapter(base, lora, LORA)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +52,9 @@ def _same_outputs(vllm, hf) -> None:
     assert torch.equal(mine["output_ids"], theirs["output_ids"])
     torch.testing.assert_close(mine["logprobs"], theirs["logprobs"], atol=ATOL, rtol=0)
     sampled = vllm.generate(batch, greedy=False)
-    scored = hf.score(
-        {
-            "input_ids": sampled["output_ids"],
-            "prompt_lengths": torch.tensor([len(p) for p in PROMPTS]),
-            "unpadded_sequence_lengths": sampled["unpadded_sequence_lengths"],
-        }
-    )
+    totals = sampled["unpadded_sequence_lengths"].tolist()
+    sequences = [sampled["output_ids"][i, :n].tolist() for i, n in enumerate(totals)]
+    scored = hf.score(score_batch(sequences, [len(p) for p in PROMPTS]))
     torch.testing.assert_close(sampled["logprobs"], scored, atol=ATOL, rtol=0)
 
 
@@ -90,9 +69,9 @@ def test_after_adapter_refits_outputs_are_the_merged_models(pair, tiny_qwen2):
     before = vllm.weight_version
     with Refitter(vllm) as refitter:
         for seed in (1, 2):  # the second replaces the first, in place
-            lora = adapter(seed)
+            lora = random_adapter(tiny_qwen2.state_dict(), LORA, seed=seed)
             refitter.refit(lora)
-            hf.update_weights_from_state_dict(merged(tiny_qwen2.state_dict(), lora))
+            hf.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), lora, LORA))
             _same_outputs(vllm, hf)
     assert vllm.weight_version == before + 2
     out = vllm.generate(pad_prompts(PROMPTS[:1], "right"), greedy=True)
@@ -101,13 +80,15 @@ def test_after_adapter_refits_outputs_are_the_merged_models(pair, tiny_qwen2):
 
 def test_a_refit_dropped_midway_leaves_the_previous_adapter_serving(pair, tiny_qwen2):
     vllm, hf = pair
-    served = adapter(3)
+    served = random_adapter(tiny_qwen2.state_dict(), LORA, seed=3)
     with Refitter(vllm) as refitter:
         refitter.refit(served)
-    hf.update_weights_from_state_dict(merged(tiny_qwen2.state_dict(), served))
+    hf.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), served, LORA))
     version = vllm.weight_version
     vllm.start_weight_update()
-    with share_weights(dict(list(adapter(4, scale=1.0).items())[:4])) as shared:
+    with share_weights(
+        dict(list(random_adapter(tiny_qwen2.state_dict(), LORA, seed=4, scale=1.0).items())[:4])
+    ) as shared:
         vllm.update_weights_from_ipc_handles(shared.handles)
     with pytest.raises(WeightUpdateError, match=r"missing .*lora"):
         vllm.commit_weight_update()
@@ -117,12 +98,12 @@ def test_a_refit_dropped_midway_leaves_the_previous_adapter_serving(pair, tiny_q
 
 def test_a_base_refit_keeps_the_adapter(pair, tiny_qwen2):
     vllm, hf = pair
-    lora = adapter(5)
+    lora = random_adapter(tiny_qwen2.state_dict(), LORA, seed=5)
     base = {n: t * 0.9 if t.dim() == 2 else t for n, t in tiny_qwen2.state_dict().items()}
     with Refitter(vllm) as refitter:
         refitter.refit({**base, **lora})  # both in one update
-        hf.update_weights_from_state_dict(merged(base, lora))
+        hf.update_weights_from_state_dict(merge_adapter(base, lora, LORA))
         _same_outputs(vllm, hf)
         refitter.refit(tiny_qwen2.state_dict())  # the base alone
-    hf.update_weights_from_state_dict(merged(tiny_qwen2.state_dict(), lora))
+    hf.update_weights_from_state_dict(merge_adapter(tiny_qwen2.state_dict(), lora, LORA))
     _same_outputs(vllm, hf)

@@ -18,7 +18,7 @@ import torch
 from gen_interface import BatchedDataDict, GenerationConfigError
 from gen_testkit.conformance import ConformanceSubject
 from gen_testkit.routing import compare_routing, reference_routing
-from gen_testkit.strategies import pad_prompts
+from gen_testkit.strategies import pad_prompts, score_batch
 from gen_testkit.suite.routed_experts import RoutedExpertsProperties
 from transformers import AutoModelForCausalLM
 
@@ -57,21 +57,6 @@ def _generated(out: BatchedDataDict) -> tuple[list[list[int]], list[torch.Tensor
     return sequences, [out["routed_experts"][i, : n - 1] for i, n in enumerate(totals)]
 
 
-def _score(backend, sequences: list[list[int]], prompt_lengths: list[int]) -> BatchedDataDict:
-    width = max(map(len, sequences))
-    ids = torch.zeros((len(sequences), width), dtype=torch.int64)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-    return backend.score_top_logprobs(
-        BatchedDataDict(
-            input_ids=ids,
-            prompt_lengths=torch.tensor(prompt_lengths),
-            unpadded_sequence_lengths=torch.tensor([len(s) for s in sequences]),
-        ),
-        0,
-    )
-
-
 class TestQwen3Moe(RoutedExpertsProperties):
     """The testkit's routing properties on vLLM's routing, read in the worker."""
 
@@ -89,7 +74,7 @@ def test_sampled_rows_route_the_same_teacher_forced_through_the_other_backend(vl
     lengths = [len(p) for p in PROMPTS]
     for producer, scorer in ((vllm_moe, hf_moe), (hf_moe, vllm_moe)):
         sequences, got = _generated(producer.generate(data))
-        scored = _score(scorer, sequences, lengths)["routed_experts"]
+        scored = scorer.score_top_logprobs(score_batch(sequences, lengths), 0)["routed_experts"]
         same = [
             bool(torch.equal(mine, scored[i, : len(sequences[i]) - 1]))
             for i, mine in enumerate(got)
@@ -102,7 +87,10 @@ def test_sampled_rows_route_the_same_teacher_forced_through_the_other_backend(vl
 def test_score_routes_every_position_like_gen_hf(vllm_moe, hf_moe):
     sequences = [[*p, 11, 12, 13] for p in PROMPTS]
     lengths = [len(p) for p in PROMPTS]
-    mine, theirs = (_score(b, sequences, lengths)["routed_experts"] for b in (vllm_moe, hf_moe))
+    mine, theirs = (
+        b.score_top_logprobs(score_batch(sequences, lengths), 0)["routed_experts"]
+        for b in (vllm_moe, hf_moe)
+    )
     assert torch.equal(mine, theirs)
     assert all((mine[i, : len(s)] >= 0).all() for i, s in enumerate(sequences))
 

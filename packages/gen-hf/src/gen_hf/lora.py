@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from gen_interface.lora import PEFT_PREFIX, lora_settings
 
-__all__ = ["PEFT_PREFIX", "LoraAdapter", "lora_settings"]
+__all__ = ["LoraAdapter"]
 
 
 class LoraAdapter:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 from gen_interface import BatchedDataDict, GenerationDatumSpec
+from gen_interface.specs import ScoreSpec
 from hypothesis import strategies as st
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "invalid_config_fields",
     "pad_prompts",
     "prompts",
+    "score_batch",
 ]
 
 Padding = Literal["left", "right", "mixed", "lengths"]
@@ -74,6 +76,21 @@ def pad_prompts(
             input_ids=input_ids, input_lengths=torch.tensor(lengths, dtype=torch.int64)
         )
     return BatchedDataDict(input_ids=input_ids, attention_mask=mask)
+
+
+def score_batch(
+    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]
+) -> BatchedDataDict[ScoreSpec]:
+    """Complete sequences (prompt then response) as ``score``'s input: right-padded with 0."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for i, sequence in enumerate(sequences):
+        ids[i, : len(sequence)] = torch.tensor(list(sequence), dtype=torch.int64)
+    return BatchedDataDict(
+        input_ids=ids,
+        prompt_lengths=torch.tensor(list(prompt_lengths), dtype=torch.int64),
+        unpadded_sequence_lengths=torch.tensor([len(s) for s in sequences], dtype=torch.int64),
+    )
 
 
 def prompts(

@@ -77,9 +77,10 @@ def moe_runners(model_runner: Any) -> list[Any]:
     return moe
 
 
-def moe_shape(model_runner: Any) -> tuple[int, int, int]:
-    """``(MoE layers, top_k, experts per layer)`` of a model runner's model (``moe_runners``)."""
-    routers: list[Any] = [m.router for m in moe_runners(model_runner)]
+def moe_shape(model_runner: Any, moe: list[Any] | None = None) -> tuple[int, int, int]:
+    """``(MoE layers, top_k, experts per layer)`` of a model runner's model, from its MoE layers
+    ``moe`` (default: ``moe_runners``)."""
+    routers: list[Any] = [m.router for m in (moe if moe is not None else moe_runners(model_runner))]
     experts = max(int(router.global_num_experts) for router in routers)
     return len(routers), int(routers[0].top_k), experts
 
@@ -113,7 +114,7 @@ class RoutingCapture:
         if runner.speculative_config is not None:
             raise ValueError("speculative decoding feeds draft tokens it may reject")
         routers: list[Any] = [m.router for m in moe]
-        self.layers, self.top_k, self.experts = moe_shape(runner)
+        self.layers, self.top_k, self.experts = moe_shape(runner, moe)
         self._runner = runner
         self._forward: dict[int, Any] = {}  # layer slot -> [tokens, top_k] of this forward
         self._rows: dict[str, np.ndarray] = {}  # request -> int16 [capacity, layers, top_k]

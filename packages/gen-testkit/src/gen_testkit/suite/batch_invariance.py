@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 import torch
-from gen_interface import BatchedDataDict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gen_testkit.strategies import pad_prompts, prompts
+from gen_testkit.strategies import pad_prompts, prompts, score_batch
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase, property_settings
 
 __all__ = ["BatchInvarianceProperties", "trainer_logprobs"]
@@ -116,17 +115,7 @@ class BatchInvarianceProperties(SuiteBase):
             label="responses",
         )
         sequences = [h + t for h, t in zip(heads, tails)]
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.int64)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)] = torch.tensor(s)
-        scored = subject.backend.score(
-            BatchedDataDict[Any](
-                input_ids=ids,
-                prompt_lengths=torch.tensor([len(h) for h in heads]),
-                unpadded_sequence_lengths=torch.tensor([len(s) for s in sequences]),
-            )
-        )
+        scored = subject.backend.score(score_batch(sequences, [len(h) for h in heads]))
         expected = trainer_logprobs(
             trainer_model,
             sequences,

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gen_testkit.routing import compare_routing, reference_routing
-from gen_testkit.strategies import pad_prompts, prompts
+from gen_testkit.strategies import pad_prompts, prompts, score_batch
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase, property_settings
 
 __all__ = ["RoutedExpertsProperties"]
@@ -101,17 +101,6 @@ class RoutedExpertsProperties(SuiteBase):
             prompts(subject.vocab_size, max_rows=self.max_rows, min_length=2, max_length=14)
         )
         starts = [data.draw(st.integers(1, len(s) - 1)) for s in sequences]
-        width = max(map(len, sequences))
-        ids = torch.zeros((len(sequences), width), dtype=torch.int64)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)] = torch.tensor(s)
-        out = subject.backend.score_top_logprobs(
-            BatchedDataDict(
-                input_ids=ids,
-                prompt_lengths=torch.tensor(starts),
-                unpadded_sequence_lengths=torch.tensor([len(s) for s in sequences]),
-            ),
-            0,
-        )
+        out = subject.backend.score_top_logprobs(score_batch(sequences, starts), 0)
         lengths = [len(s) for s in sequences]
         self._check(reference_model, out["routed_experts"], sequences, lengths)
