@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "check_int_setting",
     "complete_backend_settings",
     "configure_generation_config",
+    "resolve_dtype",
     "sampling_settings_of",
     "validate_generation_config",
     "with_per_call_overrides",
@@ -345,3 +347,20 @@ def _set_weight_loading(config: dict[str, Any], is_eval: bool) -> None:
             "(is_eval=False): no backend of that name is installed in this environment; leave "
             "is_eval out"
         )
+
+
+def resolve_dtype(model: str, dtype: str) -> str:
+    """``"auto"`` means the checkpoint's dtype, as in every backend of this project.
+
+    vLLM's and SGLang's own "auto" turn float32 checkpoints into 16-bit types, which would make
+    the same config give different numbers on different backends.
+    """
+    if dtype != "auto":
+        return dtype
+    config_file = Path(model) / "config.json"
+    if config_file.is_file():
+        saved = json.loads(config_file.read_text())
+        found = saved.get("dtype") or saved.get("torch_dtype")
+        if isinstance(found, str) and found in ("float32", "bfloat16", "float16"):
+            return found
+    return "auto"

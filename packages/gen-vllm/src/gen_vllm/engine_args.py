@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gen_interface import GenerationConfigError
+from gen_interface.config import resolve_dtype
 from gen_interface.lora import lora_settings
 
 from gen_vllm.adapter import lora_engine_args
@@ -37,23 +37,6 @@ def wants_tokenizer(config: VllmConfig) -> bool:
         return bool(setting)
     path = Path(config["model_name"])
     return not path.is_dir() or any((path / name).is_file() for name in _TOKENIZER_FILES)
-
-
-def resolve_dtype(model: str, dtype: str) -> str:
-    """``"auto"`` means the checkpoint's dtype, as in every backend of this project.
-
-    vLLM's own "auto" turns float32 checkpoints into bfloat16 on CPU, which would make the same
-    config give different numbers on different backends.
-    """
-    if dtype != "auto":
-        return dtype
-    config_file = Path(model) / "config.json"
-    if config_file.is_file():
-        saved = json.loads(config_file.read_text())
-        found = saved.get("dtype") or saved.get("torch_dtype")
-        if isinstance(found, str) and found in ("float32", "bfloat16", "float16"):
-            return found
-    return "auto"
 
 
 def sleeps_on_finish(config: VllmConfig, *, use_gpus: bool) -> bool:
