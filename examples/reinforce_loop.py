@@ -2,6 +2,7 @@
 local backend or on a server somewhere else, by config alone.
 
     uv run python examples/reinforce_loop.py                           # gen-hf in this process
+    uv run python examples/reinforce_loop.py --backend sglang          # SGLang servers here
     uv run gen-serve --backend hf --model DIR --port 8000 &            # or a server ...
     uv run python examples/reinforce_loop.py --base-url http://127.0.0.1:8000 --model DIR
 
@@ -45,17 +46,22 @@ def run(
     seed: int = 0,
     lr: float = 0.05,
     batch_invariant: bool = False,
+    backend: str = "hf",
+    temperature: float = 1.0,
 ) -> list[Step]:
-    """Train ``model`` for ``steps`` steps, generating locally (gen-hf) or on ``base_url``."""
+    """Train ``model`` for ``steps`` steps, generating locally (``backend``: gen-hf, or any
+    backend that loads the model, e.g. ``"sglang"``) or on ``base_url``."""
     torch.manual_seed(seed)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
-    sampling = {"max_new_tokens": 16, "temperature": 1.0, "batch_invariant": batch_invariant}
+    sampling = {"max_new_tokens": 16, "temperature": temperature}
+    if batch_invariant:
+        sampling["batch_invariant"] = True
     if base_url is None:  # a local backend reads the tokenizer's ids; a server says its own
-        config = _with_token_ids(
-            model,
-            {"backend": "hf", "model_name": model, "dtype": "float32", "hf_cfg": {"device": "cpu"}},
-        )
+        config = {"backend": backend, "model_name": model, "dtype": "float32"}
+        if backend == "hf":
+            config["hf_cfg"] = {"device": "cpu"}
+        config = _with_token_ids(model, config)
     else:
         config = {"backend": "remote", "remote_cfg": {"base_url": base_url}}
     generator = create_generation_backend({**config, **sampling})
@@ -130,7 +136,8 @@ def _trainer_logprobs(policy: Any, out: BatchedDataDict[Any]) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> list[Step]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the testkit's tiny Qwen2)")
-    parser.add_argument("--base-url", help="a gen-serve server (default: gen-hf here)")
+    parser.add_argument("--base-url", help="a gen-serve server (default: a backend here)")
+    parser.add_argument("--backend", default="hf", help="the backend here: hf, vllm, sglang")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> list[Step]:
     return run(
         model,
         base_url=args.base_url,
+        backend=args.backend,
         steps=args.steps,
         seed=args.seed,
         batch_invariant=args.batch_invariant,

@@ -38,7 +38,7 @@ from gen_testkit.tolerances import tolerance_for
 __all__ = ["main"]
 
 #: Backends that load Hugging Face models, in the order they are preferred as the reference.
-MODEL_BACKENDS = ("hf", "vllm")
+MODEL_BACKENDS = ("hf", "vllm", "sglang")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,216 @@
+"""One row on SGLang's wire: its ``/generate`` request, and its streamed answer put together.
+
+Every row is one request carrying every setting resolved (``RowSampling``), so SGLang's own
+defaults never apply:
+
+- greedy rows ask for temperature 0 (SGLang's argmax; logprobs raw);
+- sampled rows in ``"raw"`` mode use SGLang's sampler with the row's filters, and the server
+  reports raw logprobs (it runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB``);
+- sampled rows in ``"processed"`` mode go through ``ProcessedLogits`` (see
+  ``server_side/gen_sglang_processor.py``) with temperature 1 and no filters of SGLang's own, so
+  the reported logprobs are those of the distribution sampled from;
+- the row's seed is ``sampling_seed``: SGLang's seeded sampler hashes it with the position, so a
+  row's draws do not depend on the rows beside it.
+
+Stop tokens and strings are the row's alone (``ignore_eos``) and stay in the output
+(``no_stop_trim``). SGLang streams the whole row so far in every chunk; ``RowStream`` turns that
+into new tokens and, at the end, a ``RowResult`` with each token's weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gen_interface import GenerationError, RowResult, RowSampling
+from gen_interface.scoring import ScoredRow
+
+__all__ = ["PROCESSOR", "RowStream", "generate_body", "score_body", "scored_row"]
+
+#: ``ProcessedLogits`` as SGLang's ``custom_logit_processor``: a pickle that names the class
+#: (protocol 0), which the server imports from its support directory.
+PROCESSOR = json.dumps({"callable": b"cgen_sglang_processor\nProcessedLogits\n.".hex()})
+
+_INT63 = (1 << 63) - 1
+
+
+def generate_body(
+    prompt: Sequence[int], row: RowSampling, *, max_new_tokens: int, processed: bool
+) -> dict[str, Any]:
+    """The streamed ``/generate`` request of one row; ``max_new_tokens`` is the row's, cut to
+    what the context leaves."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": list(row.stop_token_ids),
+        "ignore_eos": True,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "sampling_seed": row.seed & _INT63,
+    }
+    if row.stop_strings:
+        params["stop"] = list(row.stop_strings)
+    body: dict[str, Any] = {
+        "input_ids": list(prompt),
+        "return_logprob": True,
+        "top_logprobs_num": row.top_logprobs,
+        "stream": True,
+    }
+    if row.greedy:
+        params["temperature"] = 0.0
+    elif processed:
+        params.update(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)
+        params["custom_params"] = {
+            "temperature": row.temperature,
+            "top_k": row.top_k,
+            "top_p": row.top_p,
+            "min_p": row.min_p,
+        }
+        body["custom_logit_processor"] = PROCESSOR
+    else:
+        params.update(
+            temperature=row.temperature,
+            top_k=row.top_k if row.top_k is not None else -1,
+            top_p=row.top_p,
+            min_p=row.min_p,
+        )
+    body["sampling_params"] = params
+    return body
+
+
+def score_body(sequence: Sequence[int], prompt_length: int, top_logprobs: int) -> dict[str, Any]:
+    """The request that scores ``sequence``: the logprobs of its tokens from
+    ``prompt_length`` on, and nothing generated."""
+    return {
+        "input_ids": list(sequence),
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": prompt_length - 1,
+        "top_logprobs_num": top_logprobs,
+    }
+
+
+def scored_row(answer: dict[str, Any], response_length: int, top_logprobs: int) -> ScoredRow:
+    """A ``score_body`` answer as a ``ScoredRow``: SGLang lists the token at
+    ``logprob_start_len`` first (no logprob), then each response token's."""
+    meta = answer["meta_info"]
+    chosen = meta["input_token_logprobs"][1:]
+    tops = meta.get("input_top_logprobs") or []
+    tops = tops[1:] if top_logprobs else []
+    if len(chosen) != response_length:
+        raise GenerationError(
+            f"SGLang scored {len(chosen)} response tokens, {response_length} were sent"
+        )
+    ids, values = _top_lists(tops, top_logprobs, response_length)
+    return ScoredRow(
+        torch.tensor([_logprob(entry[0]) for entry in chosen], dtype=torch.float32),
+        torch.tensor(ids, dtype=torch.int64).reshape(response_length, top_logprobs),
+        torch.tensor(values, dtype=torch.float32).reshape(response_length, top_logprobs),
+    )
+
+
+@dataclass
+class RowStream:
+    """The chunks of one row's stream, as they come.
+
+    Attributes:
+        top_logprobs: how many top logprobs the row asked for.
+        token_ids, logprobs, topk_ids, topk_logprobs: the row so far.
+    """
+
+    top_logprobs: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, chunk: dict[str, Any]) -> int:
+        """Take one chunk (the row so far); returns how many tokens are new."""
+        meta = chunk.get("meta_info") or {}
+        if meta.get("error"):
+            raise GenerationError(f"SGLang failed the row: {meta['error']}")
+        ids = chunk.get("output_ids") or []
+        before = len(self.token_ids)
+        new = ids[before:]
+        if new:
+            entries = (meta.get("output_token_logprobs") or [])[before : len(ids)]
+            tops = (meta.get("output_top_logprobs") or [])[before : len(ids)]
+            if len(entries) != len(new):
+                raise GenerationError(
+                    f"SGLang sent {len(new)} new tokens with {len(entries)} logprobs"
+                )
+            self.token_ids.extend(int(t) for t in new)
+            self.logprobs.extend(_logprob(e[0]) for e in entries)
+            if self.top_logprobs:
+                ids_k, values_k = _top_lists(tops, self.top_logprobs, len(new))
+                for i in range(len(new)):
+                    k = self.top_logprobs
+                    self.topk_ids.append(ids_k[i * k : (i + 1) * k])
+                    self.topk_logprobs.append(values_k[i * k : (i + 1) * k])
+        self.meta = meta
+        self.finish = meta.get("finish_reason")
+        return len(new)
+
+    def result(self) -> RowResult:
+        """The finished row. Raises ``GenerationError`` when SGLang ended it for no known
+        reason (an error inside the server)."""
+        if self.finish is None:
+            raise GenerationError(
+                f"SGLang's stream ended without finishing the row, after "
+                f"{len(self.token_ids)} tokens"
+            )
+        reason = self.finish.get("type")
+        if reason == "abort" and self.finish.get("message") not in (None, "Aborted"):
+            reason = f"abort ({self.finish.get('message')})"  # an error, not a weight update
+        versions = _token_versions(self.meta.get("weight_versions"), len(self.token_ids))
+        started = versions[0] if versions else _version(self.meta.get("weight_version"))
+        return RowResult.ended(
+            reason,
+            self.token_ids,
+            self.logprobs,
+            weight_version=started,
+            weight_versions=versions if versions and len(set(versions)) > 1 else None,
+            topk_ids=self.topk_ids if self.top_logprobs else None,
+            topk_logprobs=self.topk_logprobs if self.top_logprobs else None,
+        )
+
+
+def _top_lists(entries: Sequence[Any], k: int, count: int) -> tuple[list[int], list[float]]:
+    """Flattened ``[count * k]`` ids and logprobs from SGLang's per-position top lists
+    (``[[logprob, id, text], ...]``, likeliest first)."""
+    ids: list[int] = []
+    values: list[float] = []
+    for position in range(count):
+        entry = (entries[position] if position < len(entries) else None) or []
+        row = list(entry)[:k]
+        if len(row) != k:
+            raise GenerationError(f"SGLang sent {len(row)} top logprobs where {k} were asked")
+        ids.extend(int(e[1]) for e in row)
+        values.extend(_logprob(e[0]) for e in row)
+    return ids, values
+
+
+def _logprob(value: float | None) -> float:
+    """SGLang sends -inf (a filtered token's logprob) as null."""
+    return -math.inf if value is None else float(value)
+
+
+def _version(label: Any) -> int:
+    """SGLang's weight version label as this project's integer (``"default"``: 0)."""
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _token_versions(spans: Any, count: int) -> list[int]:
+    """Each token's weight version from SGLang's ``weight_versions`` spans."""
+    out: list[int] = []
+    for span in spans or []:
+        out.extend([_version(span["version"])] * (int(span["end"]) - int(span["start"])))
+    return out if len(out) == count else []

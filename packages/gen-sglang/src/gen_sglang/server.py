@@ -1,0 +1,160 @@
+"""``SglangServer``: one ``sglang.launch_server`` process on 127.0.0.1, started, watched, stopped.
+
+The server runs in a session of its own, so stopping it stops its scheduler and detokenizer
+processes too; a finaliser stops it if its owner forgets (or exits), so no server outlives the
+backend that started it. Its output goes to a log file whose tail every start-up error quotes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+from gen_interface import BackendUnavailableError
+
+__all__ = ["SglangServer", "free_port"]
+
+_LOG_TAIL = 3000
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class SglangServer:
+    """One SGLang HTTP server process.
+
+    Args:
+        python: the interpreter of SGLang's environment.
+        model: ``--model-path``.
+        args: further ``launch_server`` arguments.
+        env: variables added to this process's environment for the server.
+        name: how errors name it ("replica 0").
+    """
+
+    def __init__(
+        self,
+        python: str | Path,
+        model: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        name: str,
+    ):
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        handle, log = tempfile.mkstemp(prefix=f"gen-sglang-{os.getpid()}-", suffix=".log")
+        self.log_path = Path(log)
+        command = [str(python), "-m", "sglang.launch_server", "--model-path", model]
+        command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        try:
+            self.process = subprocess.Popen(
+                command,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **env},
+                start_new_session=True,
+            )
+        except OSError as exc:
+            os.close(handle)
+            raise BackendUnavailableError(
+                f"could not start SGLang ({name}) with {python}: {exc}; set sglang_cfg.python "
+                "to an environment with sglang, or leave it out for the managed one"
+            ) from exc
+        os.close(handle)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.log_path)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the server answers ``/health_generate`` (it has generated a token).
+
+        Raises:
+            BackendUnavailableError: it exited, or did not answer within ``timeout_s``; the
+                message quotes its log.
+        """
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(base_url=self.url, timeout=30.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise BackendUnavailableError(
+                        f"SGLang ({self.name}) exited with code {self.process.returncode} while "
+                        f"starting:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get("/health_generate").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        raise BackendUnavailableError(
+            f"SGLang ({self.name}) did not answer within {timeout_s:g} s "
+            f"(sglang_cfg.start_timeout_s):\n{self.log_tail()}"
+        )
+
+    def exit_code(self) -> int | None:
+        """None while the server runs."""
+        return self.process.poll()
+
+    def died(self) -> str | None:
+        """Why the server is gone (its exit code and log), or None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        return f"the SGLang server ({self.name}, pid {self.process.pid}) exited with code {code}"
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-_LOG_TAIL:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop the server and every process it started; idempotent."""
+        self._finalizer()
+
+
+def _stop(process: subprocess.Popen[bytes], log_path: Path) -> None:
+    """SIGTERM the server's session, SIGKILL what is left after 10 s, remove its log."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _session_alive(process.pid):
+            process.poll()
+            time.sleep(0.1)
+        if not _session_alive(process.pid):
+            break
+    process.poll()
+    log_path.unlink(missing_ok=True)
+
+
+def _session_alive(pgid: int) -> bool:
+    """Whether any process of the server's session is still there (zombies aside)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

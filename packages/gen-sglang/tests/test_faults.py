@@ -1,0 +1,89 @@
+"""A server that dies mid-generate, and shutdown: typed errors within seconds, no process or
+shared-memory file left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gen_interface import BackendBrokenError, BatchedDataDict, GenerationError
+from gen_sglang import SglangGeneration
+from gen_testkit.conformance import conformance_config
+from gen_testkit.models import TinyModel
+
+
+def _session_processes(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the server's session."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(entry.name))
+    return alive
+
+
+def test_a_server_killed_mid_generate_is_a_typed_error_and_shutdown_leaves_nothing(
+    tiny_qwen2: TinyModel,
+):
+    config = conformance_config(
+        backend="sglang",
+        model_name=str(tiny_qwen2.path),
+        vocab_size=tiny_qwen2.vocab_size,
+        max_new_tokens=400,
+        stop_token_ids=[],
+    )
+    backend = SglangGeneration(config)
+    server = backend._servers[0]
+    pgid = server.process.pid
+    staged = backend._staged.dir
+    assert _session_processes(pgid), "the server runs in a session of its own"
+    assert staged.exists()
+    data = BatchedDataDict({"input_ids": torch.tensor([[5, 6, 7, 8]] * 4)})
+    outcome: list[BaseException | None] = []
+
+    def generate() -> None:
+        try:
+            backend.generate(data)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(1.0)  # rows are running
+    killed = time.monotonic()
+    os.killpg(pgid, signal.SIGKILL)
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "generate still blocked 30 s after the server died"
+    assert time.monotonic() - killed < 10
+    assert len(outcome) == 1 and isinstance(outcome[0], BackendBrokenError), outcome
+    assert "exited" in str(outcome[0])
+    with pytest.raises(GenerationError, match="broken"):
+        backend.generate(data)
+    backend.shutdown()
+    assert _session_processes(pgid) == []
+    assert not staged.exists()
+
+
+def test_shutdown_stops_every_process_of_the_server(tiny_qwen2: TinyModel):
+    backend = SglangGeneration(
+        conformance_config(
+            backend="sglang", model_name=str(tiny_qwen2.path), vocab_size=tiny_qwen2.vocab_size
+        )
+    )
+    pgid = backend._servers[0].process.pid
+    staged = backend._staged.dir
+    assert len(_session_processes(pgid)) >= 2  # the server and its scheduler at least
+    backend.shutdown()
+    assert _session_processes(pgid) == []
+    assert not staged.exists()
+    backend.shutdown()  # idempotent
