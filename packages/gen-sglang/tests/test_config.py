@@ -27,6 +27,7 @@ class TestSglangConfigSchema(ConfigSchemaChecks):
             "mem_fraction_static": st.none() | st.floats(0.01, 1.0),
             "max_total_tokens": st.none() | st.integers(2, 10**6),
             "context_length": st.none() | st.integers(2, 10**6),
+            "radix_cache": st.booleans(),
             "start_timeout_s": st.floats(0.1, 10**4),
             "timeout_s": st.floats(0.1, 10**4),
             "extra_args": st.lists(st.sampled_from(["--log-level", "warning"]), max_size=2),

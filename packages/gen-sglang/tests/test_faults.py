@@ -44,10 +44,12 @@ def test_a_server_killed_mid_generate_is_a_typed_error_and_shutdown_leaves_nothi
     backend = SglangGeneration(config)
     server = backend._servers[0]
     pgid = server.process.pid
-    staged = backend._staged.dir
+    staged = backend._staged.root
     assert _session_processes(pgid), "the server runs in a session of its own"
     assert staged.exists()
-    data = BatchedDataDict({"input_ids": torch.tensor([[5, 6, 7, 8]] * 4)})
+    data = BatchedDataDict(
+        {"input_ids": torch.tensor([[5, 6, 7, 8]] * 4), "input_lengths": torch.tensor([4] * 4)}
+    )
     outcome: list[BaseException | None] = []
 
     def generate() -> None:
@@ -81,7 +83,7 @@ def test_shutdown_stops_every_process_of_the_server(tiny_qwen2: TinyModel):
         )
     )
     pgid = backend._servers[0].process.pid
-    staged = backend._staged.dir
+    staged = backend._staged.root
     assert len(_session_processes(pgid)) >= 2  # the server and its scheduler at least
     backend.shutdown()
     assert _session_processes(pgid) == []

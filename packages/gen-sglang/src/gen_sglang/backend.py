@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -43,16 +45,17 @@ from gen_interface.scoring import ScoreBatch, ScoredRow
 from gen_interface.stepping import RowControl
 from gen_interface.weights.consumer import write_shared_weights
 
-from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts
+from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts, serving_dir
 from gen_sglang.config import SglangConfig, complete_sglang_config
 from gen_sglang.environment import managed_python, support_dir
-from gen_sglang.rows import RowStream, generate_body, score_body, scored_row
+from gen_sglang.rows import RowStream, batch_body, generate_body, score_body, scored_row
 from gen_sglang.server import SglangServer
+from gen_sglang.text import SglangTextCodec
 
 __all__ = ["SglangGeneration"]
 
-#: Rows in flight at once per backend; more wait for a thread.
-_MAX_ROWS_IN_FLIGHT = 256
+#: Requests in flight at once per backend (each a call's rows on one server).
+_MAX_REQUESTS_IN_FLIGHT = 64
 
 
 class SglangGeneration(GenerationBackend):
@@ -82,14 +85,14 @@ class SglangGeneration(GenerationBackend):
             timeout=httpx.Timeout(settings["timeout_s"], connect=10.0),
             limits=httpx.Limits(max_connections=None),
         )
-        self._pool = ThreadPoolExecutor(_MAX_ROWS_IN_FLIGHT, thread_name_prefix="gen-sglang")
+        self._pool = ThreadPoolExecutor(_MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="gen-sglang")
         self._servers: list[SglangServer] = []
         self._staged: StagedCheckpoint | None = None
         self._next = 0
         self._next_lock = threading.Lock()
         try:
-            self._start_servers(config, dtype)
             self._staged = StagedCheckpoint(model_dir, self._facts.specs, self._facts.optional)
+            self._start_servers(config, dtype)
         except BaseException:
             self._close()
             raise
@@ -101,6 +104,8 @@ class SglangGeneration(GenerationBackend):
             has_tokenizer=self._facts.has_tokenizer,
             model_specs=self._facts.specs,
             optional_weights=self._facts.optional,
+            # Loads go to the staged checkpoint; the servers read it at the commit only.
+            staged_weights=self._facts.specs.keys(),
             weights_absent="started with sglang_cfg.load_format 'dummy'" if absent else None,
         )
 
@@ -139,6 +144,8 @@ class SglangGeneration(GenerationBackend):
                 "weights when they go on",
                 "sampled rows in 'raw' mode use SGLang's own top-k/top-p/min-p sampler; "
                 "'processed' rows sample from this project's distribution",
+                "a row's seed is honoured only with --enable-deterministic-inference (GPU); on "
+                "the CPU every sampled row is a fresh sample",
             )
             + (() if on_gpu else ("finish_generation frees nothing on the CPU",)),
         )
@@ -148,44 +155,67 @@ class SglangGeneration(GenerationBackend):
     def _run_rows(self, call: GenerationCall, control: RowControl) -> Sequence[RowResult | None]:
         prompts = call.prompts.prompts()
         processed = self.config.get("logprobs_mode") == "processed"
-        first = self._take_servers(call.size)
         results: list[RowResult | None] = [None] * call.size
         stop = threading.Event()
 
-        def one(index: int) -> None:
-            row = call.sampling.rows[index]
-            budget = row.max_new_tokens
-            if self.context_length is not None:
-                budget = min(budget, self.context_length - len(prompts[index]))
-            body = generate_body(prompts[index], row, max_new_tokens=budget, processed=processed)
-            server = self._servers[(first + index) % len(self._servers)]
-            stream = RowStream(row.top_logprobs)
-            with contextlib.closing(self._chunks(server, body)) as chunks:
+        def on(server: SglangServer, rows: list[int]) -> None:
+            bodies, streams = [], []
+            for index in rows:
+                row = call.sampling.rows[index]
+                budget = row.max_new_tokens
+                if self.context_length is not None:
+                    budget = min(budget, self.context_length - len(prompts[index]))
+                rid = uuid.uuid4().hex
+                bodies.append(
+                    generate_body(
+                        prompts[index], row, max_new_tokens=budget, processed=processed, rid=rid
+                    )
+                )
+                streams.append(RowStream(row.top_logprobs, frozenset(row.stop_token_ids)))
+            streamed = [0] * len(rows)  # tokens reported through on_token, per row
+            with contextlib.closing(self._chunks(server, batch_body(bodies))) as chunks:
                 for chunk in chunks:
                     if stop.is_set() or control.cancelled.is_set():
-                        return  # closing the stream ends the row in SGLang
-                    before = len(stream.token_ids)
+                        return  # closing the stream ends its rows in SGLang
+                    position = int(chunk.get("index", 0))
+                    index, stream = rows[position], streams[position]
+                    if results[index] is not None:
+                        continue  # the row ended here at a stop token; this is SGLang's end
                     stream.add(chunk)
-                    if control.on_token is not None and stream.finish is None:
-                        for j in range(before, len(stream.token_ids)):
-                            _report_token(control, index, stream, j)
-            results[index] = control.finished(index, stream.result())
+                    if stream.finish is not None:
+                        results[index] = control.finished(index, stream.result())
+                        if stream.stopped_here and not chunk["meta_info"].get("finish_reason"):
+                            abort = {"rid": bodies[position]["rid"]}
+                            self._post(server, "/abort_request", abort, json_answer=False)
+                    elif control.on_token is not None:
+                        # The newest token waits for the next chunk: if that one ends the row,
+                        # it comes with the row's end, as the last token must.
+                        while streamed[position] < len(stream.token_ids) - 1:
+                            _report_token(control, index, stream, streamed[position])
+                            streamed[position] += 1
 
-        self._all(one, range(call.size), stop)
+        self._on_servers(on, call.size, stop)
         return results
 
     def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
-        rows: list[ScoredRow | None] = [None] * len(batch.sequences)
-        first = self._take_servers(len(rows))
+        scored: list[ScoredRow | None] = [None] * len(batch.sequences)
 
-        def one(index: int) -> None:
-            sequence, prompt = batch.sequences[index], batch.prompt_lengths[index]
-            server = self._servers[(first + index) % len(self._servers)]
-            answer = self._post(server, "/generate", score_body(sequence, prompt, top_logprobs))
-            rows[index] = scored_row(answer, len(sequence) - prompt, top_logprobs)
+        def on(server: SglangServer, rows: list[int]) -> None:
+            bodies = [
+                score_body(batch.sequences[i], batch.prompt_lengths[i], top_logprobs) for i in rows
+            ]
+            answers = self._post(server, "/generate", batch_body(bodies))
+            for index, answer in zip(rows, answers):
+                response = len(batch.sequences[index]) - batch.prompt_lengths[index]
+                scored[index] = scored_row(answer, response, top_logprobs)
 
-        self._all(one, range(len(rows)), threading.Event())
-        return [row for row in rows if row is not None]
+        self._on_servers(on, len(scored), threading.Event())
+        return [row for row in scored if row is not None]
+
+    def _text_codec(self) -> SglangTextCodec | None:
+        if not self.has_tokenizer:
+            return None
+        return SglangTextCodec(lambda route, body: self._post(self._servers[0], route, body))
 
     def invalidate_kv_cache(self) -> bool:
         for server in self._servers:
@@ -266,24 +296,32 @@ class SglangGeneration(GenerationBackend):
             env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         if cpu:
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+        assert self._staged is not None
+        model = str(serving_dir(Path(config["model_name"]), self._staged.root))
         for replica in range(settings["num_replicas"]):
-            self._servers.append(
-                SglangServer(python, config["model_name"], args, env, name=f"replica {replica}")
-            )
+            self._servers.append(SglangServer(python, model, args, env, name=f"replica {replica}"))
         for server in self._servers:
             server.wait_ready(settings["start_timeout_s"])
 
-    def _take_servers(self, rows: int) -> int:
-        """The replica of a call's first row; rows go round the replicas from there."""
+    def _on_servers(
+        self,
+        work: Callable[[SglangServer, list[int]], None],
+        count: int,
+        stop: threading.Event,
+    ) -> None:
+        """Spread rows ``0 .. count - 1`` over the servers (round the replicas, from where the
+        last call stopped) and run ``work(server, its rows)`` for each on the request threads:
+        one batched request per server, so SGLang schedules a call's rows together. The first
+        failure ends the others (through ``stop``) and is raised."""
         with self._next_lock:
             first = self._next
-            self._next = (self._next + rows) % len(self._servers)
-        return first
-
-    def _all(self, work: Callable[[int], None], items: range, stop: threading.Event) -> None:
-        """``work(i)`` for every item on the row threads; the first failure ends the others
-        (through ``stop``) and is raised."""
-        futures: list[Future[None]] = [self._pool.submit(work, i) for i in items]
+            self._next = (self._next + count) % len(self._servers)
+        shares: dict[int, list[int]] = {}
+        for index in range(count):
+            shares.setdefault((first + index) % len(self._servers), []).append(index)
+        futures: list[Future[None]] = [
+            self._pool.submit(work, self._servers[s], rows) for s, rows in shares.items()
+        ]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = [f for f in done if f.exception() is not None]
         if failed:
@@ -336,10 +374,9 @@ class SglangGeneration(GenerationBackend):
     def _lost(self, server: SglangServer, exc: BaseException) -> GenerationError:
         """The error for a request that failed on the way: the server died (the backend is
         broken), or it did not answer in time."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(timeout=3.0)  # a killed server's connections close first
         died = server.died()
-        if died is None:
-            server.process.poll()
-            died = server.died()
         if died is not None:
             return BackendBrokenError(f"{died} during a request:\n{server.log_tail()}")
         return GenerationError(f"SGLang ({server.name}) did not answer: {exc!r}")
@@ -372,7 +409,8 @@ def _refused(server: SglangServer, response: httpx.Response) -> GenerationError:
 def _server_args(config: SglangConfig, dtype: str, *, cpu: bool, tokenizer: bool) -> list[str]:
     settings = config["sglang_cfg"]
     args = ["--dtype", dtype, "--weight-version", "0", "--enable-custom-logit-processor"]
-    args += ["--load-format", settings["load_format"], "--random-seed", "0"]
+    # An idle scheduler otherwise polls at 100% of a core, starving whatever runs beside it.
+    args += ["--load-format", settings["load_format"], "--random-seed", "0", "--sleep-on-idle"]
     if cpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
     fraction = settings["mem_fraction_static"] or (0.05 if cpu else None)
@@ -383,6 +421,8 @@ def _server_args(config: SglangConfig, dtype: str, *, cpu: bool, tokenizer: bool
         args += ["--max-total-tokens", str(total)]
     if settings["context_length"] is not None:
         args += ["--context-length", str(settings["context_length"])]
+    if not settings["radix_cache"]:
+        args.append("--disable-radix-cache")
     if not tokenizer:
         args.append("--skip-tokenizer-init")
     return args + list(settings["extra_args"])

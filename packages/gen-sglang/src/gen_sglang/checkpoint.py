@@ -28,7 +28,7 @@ import torch
 from gen_interface import GenerationConfigError
 from gen_interface.weights.consumer import TensorSpecs
 
-__all__ = ["ModelFacts", "StagedCheckpoint", "read_model_facts"]
+__all__ = ["ModelFacts", "StagedCheckpoint", "read_model_facts", "serving_dir"]
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -112,7 +112,8 @@ class StagedCheckpoint:
     tensors into them writes the file.
 
     The directory holds the model's other files (config, tokenizer) too, since SGLang loads it
-    as a model directory. It is removed on ``close``, when the object is collected, or at exit.
+    as a model directory. ``root`` (holding ``dir``, and the server's ``serving_dir``) is
+    removed on ``close``, when the object is collected, or at exit.
 
     Args:
         model_dir: the model whose non-weight files are copied.
@@ -122,8 +123,10 @@ class StagedCheckpoint:
 
     def __init__(self, model_dir: Path, specs: TensorSpecs, optional: frozenset[str]):
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.dir = Path(tempfile.mkdtemp(prefix=f"gen-sglang-{os.getpid()}-", dir=base))
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self.root = Path(tempfile.mkdtemp(prefix=f"gen-sglang-{os.getpid()}-", dir=base))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.dir = self.root / "weights"
+        self.dir.mkdir()
         for path in model_dir.iterdir():
             weights = path.name.endswith((".safetensors", ".bin", ".pt", ".index.json"))
             if path.is_file() and not weights:
@@ -167,6 +170,31 @@ class StagedCheckpoint:
     def close(self) -> None:
         self.targets = {}
         self._finalizer()
+
+
+def serving_dir(model_dir: Path, under: Path) -> Path:
+    """A copy of ``model_dir`` for SGLang to start from, in which the model names no eos token.
+
+    SGLang ends a row at the model's eos (config, generation config and tokenizer) on top of
+    the request's ``stop_token_ids``, or, with ``ignore_eos``, at neither. The interface stops a
+    row at its own stop tokens only (``stop_token_ids`` lists eos when the caller wants it), so
+    the server starts from this directory: weights linked, the three files rewritten without
+    their eos (the tokenizer keeps ``</s>`` as a special token; only its role is gone).
+    """
+    out = under / "model"
+    out.mkdir()
+    for path in model_dir.iterdir():
+        target = out / path.name
+        if path.name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            data = _json_or_empty(path)
+            for section in (data, data.get("text_config") or {}):
+                section.pop("eos_token_id", None)
+                if "eos_token" in section:
+                    section["eos_token"] = None
+            target.write_text(json.dumps(data))
+        else:
+            target.symlink_to(path.resolve())
+    return out
 
 
 def _header(path: Path) -> dict[str, Any]:

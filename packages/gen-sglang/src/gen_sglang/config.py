@@ -22,6 +22,7 @@ class SglangSettings(TypedDict, total=False):
     mem_fraction_static: float | None  # SGLang's; None: 0.05 on the CPU, SGLang's default else
     max_total_tokens: int | None  # KV cache tokens; None: 4096 on the CPU, SGLang's default else
     context_length: int | None  # prompt + generation at most; None: the model's
+    radix_cache: bool  # reuse the KV of cached prefixes (True); see the README on exactness
     start_timeout_s: float  # how long a server may take to answer /health_generate (600)
     timeout_s: float  # longest silence of a server within one request (600)
     extra_args: list[str]  # more `sglang.launch_server` arguments, passed as they are ([])
@@ -36,6 +37,7 @@ SGLANG_CFG_DEFAULTS: SglangSettings = {
     "mem_fraction_static": None,
     "max_total_tokens": None,
     "context_length": None,
+    "radix_cache": True,
     "start_timeout_s": 600.0,
     "timeout_s": 600.0,
     "extra_args": [],
@@ -83,6 +85,10 @@ def complete_sglang_config(config: Mapping[str, Any]) -> SglangConfig:
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise GenerationConfigError(
             f"sglang_cfg.extra_args must be a list of strings, got {extra!r}"
+        )
+    if not isinstance(cfg["radix_cache"], bool):
+        raise GenerationConfigError(
+            f"sglang_cfg.radix_cache must be true or false, got {cfg['radix_cache']!r}"
         )
     if cfg["load_format"] not in ("auto", "dummy"):
         raise GenerationConfigError(

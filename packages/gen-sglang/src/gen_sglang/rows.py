@@ -9,12 +9,15 @@ defaults never apply:
 - sampled rows in ``"processed"`` mode go through ``ProcessedLogits`` (see
   ``server_side/gen_sglang_processor.py``) with temperature 1 and no filters of SGLang's own, so
   the reported logprobs are those of the distribution sampled from;
-- the row's seed is ``sampling_seed``: SGLang's seeded sampler hashes it with the position, so a
-  row's draws do not depend on the rows beside it.
+- the row's seed is ``sampling_seed``, which SGLang honours in its deterministic-inference mode
+  only (a GPU mode; see the README).
 
-Stop tokens and strings are the row's alone (``ignore_eos``) and stay in the output
-(``no_stop_trim``). SGLang streams the whole row so far in every chunk; ``RowStream`` turns that
-into new tokens and, at the end, a ``RowResult`` with each token's weight version.
+Stop tokens are the row's alone: SGLang gets them as ``stop_token_ids`` and starts from a copy
+of the model that names no eos (``checkpoint.serving_dir``), so it stops at nothing else.
+``RowStream`` also ends a row at its first stop token should a server go past one (the backend
+then aborts the request by its ``rid``). Stop strings are SGLang's, kept in the output
+(``no_stop_trim``). SGLang streams the whole row so far in every chunk; ``RowStream``
+turns that into new tokens and, at the end, a ``RowResult`` with each token's weight version.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from gen_interface import GenerationError, RowResult, RowSampling
 from gen_interface.scoring import ScoredRow
 
-__all__ = ["PROCESSOR", "RowStream", "generate_body", "score_body", "scored_row"]
+__all__ = ["PROCESSOR", "RowStream", "batch_body", "generate_body", "score_body", "scored_row"]
 
 #: ``ProcessedLogits`` as SGLang's ``custom_logit_processor``: a pickle that names the class
 #: (protocol 0), which the server imports from its support directory.
@@ -39,14 +42,14 @@ _INT63 = (1 << 63) - 1
 
 
 def generate_body(
-    prompt: Sequence[int], row: RowSampling, *, max_new_tokens: int, processed: bool
+    prompt: Sequence[int], row: RowSampling, *, max_new_tokens: int, processed: bool, rid: str
 ) -> dict[str, Any]:
     """The streamed ``/generate`` request of one row; ``max_new_tokens`` is the row's, cut to
-    what the context leaves."""
+    what the context leaves; ``rid`` names the request (to abort it)."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "stop_token_ids": list(row.stop_token_ids),
-        "ignore_eos": True,
+        "ignore_eos": False,  # the server's model names no eos (``serving_dir``)
         "no_stop_trim": True,
         "skip_special_tokens": False,
         "sampling_seed": row.seed & _INT63,
@@ -55,6 +58,7 @@ def generate_body(
         params["stop"] = list(row.stop_strings)
     body: dict[str, Any] = {
         "input_ids": list(prompt),
+        "rid": rid,
         "return_logprob": True,
         "top_logprobs_num": row.top_logprobs,
         "stream": True,
@@ -79,6 +83,21 @@ def generate_body(
         )
     body["sampling_params"] = params
     return body
+
+
+def batch_body(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One ``/generate`` request for several rows' bodies: each field a list, row by row (SGLang's
+    batch form; a streamed answer tags each chunk with its row's ``index``)."""
+    out: dict[str, Any] = {"input_ids": [b["input_ids"] for b in bodies]}
+    keys = ("rid", "sampling_params", "return_logprob", "top_logprobs_num", "logprob_start_len")
+    for key in keys:
+        if any(key in b for b in bodies):
+            out[key] = [b.get(key) for b in bodies]
+    if any("custom_logit_processor" in b for b in bodies):
+        out["custom_logit_processor"] = [b.get("custom_logit_processor") for b in bodies]
+    if any(b.get("stream") for b in bodies):
+        out["stream"] = True
+    return out
 
 
 def score_body(sequence: Sequence[int], prompt_length: int, top_logprobs: int) -> dict[str, Any]:
@@ -118,10 +137,15 @@ class RowStream:
 
     Attributes:
         top_logprobs: how many top logprobs the row asked for.
+        stop_token_ids: the row's stop tokens: the row ends at the first (``stopped_here``).
         token_ids, logprobs, topk_ids, topk_logprobs: the row so far.
+        versions: the weight version SGLang labelled each token's chunk with.
     """
 
     top_logprobs: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stopped_here: bool = False
+    versions: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
@@ -130,7 +154,10 @@ class RowStream:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def add(self, chunk: dict[str, Any]) -> int:
-        """Take one chunk (the row so far); returns how many tokens are new."""
+        """Take one chunk (the row so far); returns how many tokens are new. Chunks after the
+        row ended here (a stop token) are ignored."""
+        if self.stopped_here:
+            return 0
         meta = chunk.get("meta_info") or {}
         if meta.get("error"):
             raise GenerationError(f"SGLang failed the row: {meta['error']}")
@@ -146,6 +173,7 @@ class RowStream:
                 )
             self.token_ids.extend(int(t) for t in new)
             self.logprobs.extend(_logprob(e[0]) for e in entries)
+            self.versions.extend([_version(meta.get("weight_version"))] * len(new))
             if self.top_logprobs:
                 ids_k, values_k = _top_lists(tops, self.top_logprobs, len(new))
                 for i in range(len(new)):
@@ -154,7 +182,19 @@ class RowStream:
                     self.topk_logprobs.append(values_k[i * k : (i + 1) * k])
         self.meta = meta
         self.finish = meta.get("finish_reason")
-        return len(new)
+        stop = next((j for j, t in enumerate(new) if int(t) in self.stop_token_ids), None)
+        if stop is not None:
+            self._end_at(before + stop + 1)
+        return len(self.token_ids) - before
+
+    def _end_at(self, length: int) -> None:
+        """End the row after its first ``length`` tokens, for a stop token."""
+        for kept in (self.token_ids, self.logprobs, self.versions):
+            del kept[length:]
+        if self.top_logprobs:
+            del self.topk_ids[length:], self.topk_logprobs[length:]
+        self.finish = {"type": "stop", "matched": self.token_ids[-1]}
+        self.stopped_here = True
 
     def result(self) -> RowResult:
         """The finished row. Raises ``GenerationError`` when SGLang ended it for no known
@@ -168,6 +208,8 @@ class RowStream:
         if reason == "abort" and self.finish.get("message") not in (None, "Aborted"):
             reason = f"abort ({self.finish.get('message')})"  # an error, not a weight update
         versions = _token_versions(self.meta.get("weight_versions"), len(self.token_ids))
+        if not versions or self.stopped_here:  # SGLang's spans cover what it generated
+            versions = self.versions
         started = versions[0] if versions else _version(self.meta.get("weight_version"))
         return RowResult.ended(
             reason,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -39,6 +39,8 @@ class InFlightUpdateChecks:
     models with a context shorter than 512."""
 
     long_tokens = 400
+    #: As ``SuiteBase.stages_whole_updates``.
+    stages_whole_updates: ClassVar[bool] = False
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -107,7 +109,8 @@ class InFlightUpdateChecks:
     ) -> None:
         """``keep`` update, half the new weights written, then an abort: rows it paused end cut
         short with tokens of the old weights only (never one from the mixed weights), and the
-        backend generates again once a complete update commits."""
+        backend generates again once a complete update commits. A backend that stages whole
+        updates (``stages_whole_updates``) was never mixed: its rows go on, unchanged."""
         backend = subject.backend
         original, new_weights = weights
         baseline = long_rows.generate(pad_prompts(PROMPTS, "left"), greedy=True)
@@ -122,6 +125,14 @@ class InFlightUpdateChecks:
                 backend.abort_weight_update()
             return backend.weight_version
 
+        if self.stages_whole_updates:  # nothing reached the served weights: the rows go on
+            old = backend.weight_version
+            out, _ = _with_update_midway(backend, long_rows, write_half_then_abort)
+            assert not any(out["cut_short"].tolist())
+            for i in range(len(PROMPTS)):
+                assert _generated(out, i) == _generated(baseline, i), f"row {i} changed"
+                assert set(_generated(out, i, "weight_versions")) == {old}
+            return
         for _attempt in range(3):
             old = backend.weight_version
             out, _ = _with_update_midway(backend, long_rows, write_half_then_abort)
