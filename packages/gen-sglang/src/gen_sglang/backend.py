@@ -237,6 +237,9 @@ class SglangGeneration(GenerationBackend):
     def _commit_update(self, version: int) -> None:
         staged = self._staging()
         request = {"model_path": str(staged.dir), "weight_version": str(version)}
+        request["load_format"] = (
+            "auto"  # the file holds real weights, whatever the server began with
+        )
         taken: list[str] = []
         for server in self._servers:
             try:
