@@ -41,8 +41,8 @@ def test_a_backend_is_built_by_name():
 
 def test_an_unknown_backend_lists_the_installed_ones():
     with pytest.raises(BackendUnavailableError) as refused:
-        create_generation_backend({"backend": "sglang", "model_name": "m"})
-    assert "sglang" in str(refused.value)
+        create_generation_backend({"backend": "trtllm", "model_name": "m"})
+    assert "trtllm" in str(refused.value)
     for name in available_backends():
         assert name in str(refused.value)
     with pytest.raises(GenerationConfigError, match="backend"):

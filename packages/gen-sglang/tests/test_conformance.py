@@ -4,6 +4,7 @@ server per logprobs mode for the module (each start takes about 25 s here)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from gen_sglang import SglangGeneration
@@ -14,7 +15,11 @@ from gen_testkit.conformance import (
 )
 from gen_testkit.models import TinyModel
 from gen_testkit.suite.async_rows import AsyncRowChecks
+from gen_testkit.suite.capabilities import CapabilityProperties
+from gen_testkit.suite.determinism import DeterminismProperties
 from gen_testkit.suite.in_flight import InFlightUpdateChecks
+from gen_testkit.suite.layout import LayoutProperties
+from gen_testkit.suite.row_sampling import RowSamplingProperties
 from gen_testkit.suite.staleness import StalenessChecks
 
 SglangBackends = Callable[[str], SglangGeneration]
@@ -46,6 +51,33 @@ def sglang_backends(tiny_qwen2: TinyModel) -> Iterator[SglangBackends]:
         backend.shutdown()
 
 
+def _failing_rows(backend: SglangGeneration) -> Callable[[bool], None]:
+    """``fail_rows``: while on, every row a server ends comes back ended by an internal error,
+    as SGLang reports one (``finish_reason`` abort with a 500): a real server cannot be made to
+    fail rows and stay up, so the answers are rewritten on their way in."""
+    answers = backend._chunks
+
+    def failing(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for chunk in answers(server, body):
+            meta = chunk.get("meta_info") or {}
+            if meta.get("finish_reason"):
+                meta["finish_reason"] = {
+                    "type": "abort",
+                    "message": "Internal server error: the scheduler failed (the test's fault)",
+                    "status_code": 500,
+                    "err_type": "InternalServerError",
+                }
+            yield chunk
+
+    def fail_rows(on: bool) -> None:
+        if on:
+            backend._chunks = failing  # type: ignore[method-assign]
+        else:
+            vars(backend).pop("_chunks", None)
+
+    return fail_rows
+
+
 #: Why sampled rows do not repeat here (see gen-sglang's README).
 CPU_SEEDS = (
     "SGLang honours a request's sampling_seed only in its deterministic-inference mode, which "
@@ -62,14 +94,23 @@ class TestSglang(GenerationConformanceSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls, sglang_backends: SglangBackends, tiny_qwen2: TinyModel) -> ConformanceSubject:
-        return ConformanceSubject.for_model(sglang_backends("raw"), tiny_qwen2)
+        backend = sglang_backends("raw")
+        return ConformanceSubject.for_model(backend, tiny_qwen2, fail_rows=_failing_rows(backend))
 
 
-class TestSglangProcessed(TestSglang):
+class TestSglangProcessed(LayoutProperties, RowSamplingProperties, DeterminismProperties):
+    """Processed logprobs go through this package's logit processor: the properties that
+    depend on how rows sample. The rest of the suite does not depend on the mode."""
+
+    claims_score = True
+    samples_not_repeatable = CPU_SEEDS
+    test_processed_logprobs_are_not_raw = CapabilityProperties.test_processed_logprobs_are_not_raw
+
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls, sglang_backends: SglangBackends, tiny_qwen2: TinyModel) -> ConformanceSubject:
-        return ConformanceSubject.for_model(sglang_backends("processed"), tiny_qwen2)
+        backend = sglang_backends("processed")
+        return ConformanceSubject.for_model(backend, tiny_qwen2, fail_rows=_failing_rows(backend))
 
 
 class TestInFlight(InFlightUpdateChecks):

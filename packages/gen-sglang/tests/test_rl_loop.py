@@ -2,7 +2,8 @@
 
 Greedy, the two give the same rewards and weight versions step for step, and logprob
 mismatches equal to float32 noise: every refit reached SGLang whole (a missing or stale weight
-changes the tokens within a step or two). Sampled rows cannot match token for token: SGLang
+changes the tokens within a step or two), and the loop's ``shutdown`` leaves no server process
+or staged file behind. Sampled rows cannot match token for token: SGLang
 draws from its own seeded sampler, not from the per-row torch generator gen-hf draws from, so
 the same seed gives a different (equally distributed) sample; the parity run checks those
 distributions.
@@ -11,6 +12,7 @@ distributions.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,28 @@ def _example() -> Any:
     return module
 
 
+def _servers_and_staging() -> tuple[set[int], set[str]]:
+    """The SGLang server processes running, and this process's staged checkpoints."""
+    servers = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"sglang.launch_server" in command:
+                servers.add(int(entry.name))
+    staged = {p.name for p in Path("/dev/shm").glob(f"gen-sglang-{os.getpid()}-*")}
+    return servers, staged
+
+
 def test_the_loop_gives_the_same_rewards_on_sglang_as_on_hf(tiny_qwen2: TinyModel):
     example = _example()
     model = str(tiny_qwen2.path)
     on_hf = example.run(model, steps=3, seed=5, temperature=0.0, lr=0.5)
+    before = _servers_and_staging()
     on_sglang = example.run(model, steps=3, seed=5, temperature=0.0, lr=0.5, backend="sglang")
+    assert _servers_and_staging() == before, "shutdown left a server process or its files"
     assert [s.reward for s in on_sglang] == [s.reward for s in on_hf]
     assert [s.weight_version for s in on_sglang] == [1, 2, 3]
     assert [s.weight_version for s in on_hf] == [1, 2, 3]
