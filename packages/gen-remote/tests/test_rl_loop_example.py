@@ -5,28 +5,13 @@ not depend on the rows beside it (the server runs each row as a request of its o
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from typing import Any
-
+from example_modules import load_example
 from gen_testkit.models import TinyModel
 from servers import hf_backend, serve
 
-EXAMPLE = Path(__file__).parents[3] / "examples" / "reinforce_loop.py"
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("reinforce_loop", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reinforce_loop"] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_the_loop_is_the_same_over_http_as_in_process(tiny_qwen2: TinyModel):
-    example = _example()
+    example = load_example("reinforce_loop")
     model = str(tiny_qwen2.path)
     local = example.run(model, steps=3, seed=5, batch_invariant=True)
     server = serve(hf_backend(tiny_qwen2, batch_invariant=True), tiny_qwen2)

@@ -7,28 +7,14 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from gen_interface import BackendBrokenError, BatchedDataDict, GenerationError
 from gen_sglang import SglangGeneration
+from gen_sglang.server import session_processes
 from gen_testkit.conformance import conformance_config
 from gen_testkit.models import TinyModel
-
-
-def _session_processes(pgid: int) -> list[int]:
-    """Live (not zombie) processes of the server's session."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(int(entry.name))
-    return alive
 
 
 def test_a_server_killed_mid_generate_is_a_typed_error_and_shutdown_leaves_nothing(
@@ -45,7 +31,7 @@ def test_a_server_killed_mid_generate_is_a_typed_error_and_shutdown_leaves_nothi
     server = backend._servers[0]
     pgid = server.process.pid
     staged = backend._staged.root
-    assert _session_processes(pgid), "the server runs in a session of its own"
+    assert session_processes(pgid), "the server runs in a session of its own"
     assert staged.exists()
     data = BatchedDataDict(
         {"input_ids": torch.tensor([[5, 6, 7, 8]] * 4), "input_lengths": torch.tensor([4] * 4)}
@@ -72,5 +58,5 @@ def test_a_server_killed_mid_generate_is_a_typed_error_and_shutdown_leaves_nothi
     with pytest.raises(GenerationError, match="broken"):
         backend.generate(data)
     backend.shutdown()
-    assert _session_processes(pgid) == []
+    assert session_processes(pgid) == []
     assert not staged.exists()

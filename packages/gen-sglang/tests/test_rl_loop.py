@@ -11,24 +11,11 @@ distributions.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from typing import Any
 
+from example_modules import load_example
 from gen_testkit.models import TinyModel
-
-EXAMPLE = Path(__file__).parents[3] / "examples" / "reinforce_loop.py"
-
-
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("reinforce_loop_sglang", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reinforce_loop_sglang"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _servers_and_staging() -> tuple[set[int], set[str]]:
@@ -47,7 +34,7 @@ def _servers_and_staging() -> tuple[set[int], set[str]]:
 
 
 def test_the_loop_gives_the_same_rewards_on_sglang_as_on_hf(tiny_qwen2: TinyModel):
-    example = _example()
+    example = load_example("reinforce_loop")
     model = str(tiny_qwen2.path)
     on_hf = example.run(model, steps=3, seed=5, temperature=0.0, lr=0.5)
     before = _servers_and_staging()

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from gen_interface import BackendUnavailableError
 
-__all__ = ["SglangServer", "free_port"]
+__all__ = ["SglangServer", "free_port", "session_processes"]
 
 _LOG_TAIL = 3000
 
@@ -103,10 +103,6 @@ class SglangServer:
             f"(sglang_cfg.start_timeout_s):\n{self.log_tail()}"
         )
 
-    def exit_code(self) -> int | None:
-        """None while the server runs."""
-        return self.process.poll()
-
     def died(self) -> str | None:
         """Why the server is gone (its exit code and log), or None while it runs."""
         code = self.process.poll()
@@ -133,21 +129,19 @@ def _stop(process: subprocess.Popen[bytes], log_path: Path) -> None:
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and _session_alive(process.pid):
+        while time.monotonic() < deadline and session_processes(process.pid):
             process.poll()
             time.sleep(0.1)
-        if not _session_alive(process.pid):
+        if not session_processes(process.pid):
             break
     process.poll()
     log_path.unlink(missing_ok=True)
 
 
-def _session_alive(pgid: int) -> bool:
-    """Whether any process of the server's session is still there (zombies aside)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
+def session_processes(pgid: int) -> list[int]:
+    """The live (not zombie) processes of the session a server leads: itself, its scheduler
+    and detokenizer, and whatever they started."""
+    alive = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -156,5 +150,5 @@ def _session_alive(pgid: int) -> bool:
         except OSError:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            alive.append(int(entry.name))
+    return alive
