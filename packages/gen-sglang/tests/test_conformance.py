@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
+from gen_interface import GenerationError, create_generation_backend
 from gen_sglang import SglangGeneration
 from gen_testkit.conformance import (
     ConformanceSubject,
@@ -14,6 +16,7 @@ from gen_testkit.conformance import (
     conformance_config,
 )
 from gen_testkit.models import TinyModel
+from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.async_rows import AsyncRowChecks
 from gen_testkit.suite.capabilities import CapabilityProperties
 from gen_testkit.suite.determinism import DeterminismProperties
@@ -78,17 +81,9 @@ def _failing_rows(backend: SglangGeneration) -> Callable[[bool], None]:
     return fail_rows
 
 
-#: Why sampled rows do not repeat here (see gen-sglang's README).
-CPU_SEEDS = (
-    "SGLang honours a request's sampling_seed only in its deterministic-inference mode, which "
-    "needs a GPU attention backend (fa3, flashinfer, triton); on the CPU each sample is fresh"
-)
-
-
 class TestSglang(GenerationConformanceSuite):
     claims_score = True
     claims_weight_updates = True
-    samples_not_repeatable = CPU_SEEDS
     stages_whole_updates = True
 
     @pytest.fixture(scope="class")
@@ -103,7 +98,6 @@ class TestSglangProcessed(LayoutProperties, RowSamplingProperties, DeterminismPr
     depend on how rows sample. The rest of the suite does not depend on the mode."""
 
     claims_score = True
-    samples_not_repeatable = CPU_SEEDS
     test_processed_logprobs_are_not_raw = CapabilityProperties.test_processed_logprobs_are_not_raw
 
     @pytest.fixture(scope="class")
@@ -115,15 +109,74 @@ class TestSglangProcessed(LayoutProperties, RowSamplingProperties, DeterminismPr
 
 class TestInFlight(InFlightUpdateChecks):
     subject = TestSglang.subject
-    samples_not_repeatable = CPU_SEEDS
     stages_whole_updates = True
 
 
 class TestStaleness(StalenessChecks):
     subject = TestSglang.subject
-    samples_not_repeatable = CPU_SEEDS
 
 
 class TestAsyncRows(AsyncRowChecks):
     subject = TestSglang.subject
-    samples_not_repeatable = CPU_SEEDS
+
+
+def test_sampled_rows_draw_as_on_hf_even_when_retracted(
+    sglang_backends: SglangBackends, tiny_qwen2: TinyModel
+):
+    """More rows than the KV cache holds (300 rows of 27 tokens against 4,096 slots): SGLang
+    retracts some mid-row, drops the token their forward made and computes that position again.
+    Each sampled row still draws exactly gen-hf's tokens from its seed: the processor rewinds
+    the row's generator past the dropped draw."""
+    backend = sglang_backends("processed")
+    settings = {k: v for k, v in backend.config.items() if k != "sglang_cfg"}
+    hf = create_generation_backend({**settings, "backend": "hf", "hf_cfg": {"device": "cpu"}})
+    prompts = pad_prompts([list(range(20, 31))] * 300, "right")
+    prompts["sample_seeds"] = torch.arange(300) * 7919 + 1
+    retractions: list[int] = []
+    answers = backend._chunks
+
+    def counting(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for chunk in answers(server, body):
+            retractions.append(int((chunk.get("meta_info") or {}).get("num_retractions") or 0))
+            yield chunk
+
+    backend._chunks = counting  # type: ignore[method-assign]
+    sampling = {"max_new_tokens": 16, "stop_token_ids": [], "top_logprobs": 2}
+    try:  # the view copies the backend: made after the wrapper
+        got = backend.with_sampling(**sampling).generate(prompts, greedy=False)
+    finally:
+        vars(backend).pop("_chunks", None)
+    try:
+        expected = hf.with_sampling(**sampling).generate(prompts, greedy=False)
+    finally:
+        hf.shutdown()
+    assert max(retractions) > 0, "no row was retracted: the check tests nothing"
+    assert torch.equal(got["output_ids"], expected["output_ids"])
+    assert torch.equal(got["topk_ids"], expected["topk_ids"])
+    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=2e-5)
+
+
+def test_a_sampler_failure_in_the_server_fails_the_call_and_the_server_goes_on(
+    sglang_backends: SglangBackends,
+):
+    """The processor runs inside SGLang's scheduler, where a raise would stop the server: a
+    failure (here a temperature the processor cannot read) comes back in the row instead, as a
+    ``GenerationError`` naming it, and the next call runs."""
+    backend = sglang_backends("raw")
+    answers = backend._chunks
+
+    def unreadable(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        for params in body["sampling_params"]:
+            if "custom_params" in params:
+                params["custom_params"]["temperature"] = "hot"
+        yield from answers(server, body)
+
+    prompts = pad_prompts([[5, 6, 7], [8, 9]], "left")
+    backend._chunks = unreadable  # type: ignore[method-assign]
+    try:
+        with pytest.raises(GenerationError, match="sampler failed inside the SGLang server"):
+            backend.generate(prompts, greedy=False)
+    finally:
+        vars(backend).pop("_chunks", None)
+    again = backend.generate(prompts, greedy=False)
+    assert again["generation_lengths"].min() > 0

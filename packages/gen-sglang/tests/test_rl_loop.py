@@ -1,12 +1,10 @@
 """``examples/reinforce_loop.py`` on SGLang and on gen-hf: refit every step, the same seeds.
 
-Greedy, the two give the same rewards and weight versions step for step, and logprob
-mismatches equal to float32 noise: every refit reached SGLang whole (a missing or stale weight
-changes the tokens within a step or two), and the loop's ``shutdown`` leaves no server process
-or staged file behind. Sampled rows cannot match token for token: SGLang
-draws from its own seeded sampler, not from the per-row torch generator gen-hf draws from, so
-the same seed gives a different (equally distributed) sample; the parity run checks those
-distributions.
+Sampled at temperature 1 with each row's own seed, the two give the same rewards and weight
+versions step for step, and logprob mismatches equal to float32 noise: SGLang's rows are sampled
+inside the server by the decoding step gen-hf runs, from generators seeded the same way, and
+every refit reached SGLang whole (a missing or stale weight changes the tokens within a step or
+two). The loop's ``shutdown`` leaves no server process or staged file behind.
 """
 
 from __future__ import annotations
@@ -36,9 +34,9 @@ def _servers_and_staging() -> tuple[set[int], set[str]]:
 def test_the_loop_gives_the_same_rewards_on_sglang_as_on_hf(tiny_qwen2: TinyModel):
     example = load_example("reinforce_loop")
     model = str(tiny_qwen2.path)
-    on_hf = example.run(model, steps=3, seed=5, temperature=0.0, lr=0.5)
+    on_hf = example.run(model, steps=3, seed=5, lr=0.5)
     before = _servers_and_staging()
-    on_sglang = example.run(model, steps=3, seed=5, temperature=0.0, lr=0.5, backend="sglang")
+    on_sglang = example.run(model, steps=3, seed=5, lr=0.5, backend="sglang")
     assert _servers_and_staging() == before, "shutdown left a server process or its files"
     assert [s.reward for s in on_sglang] == [s.reward for s in on_hf]
     assert [s.weight_version for s in on_sglang] == [1, 2, 3]

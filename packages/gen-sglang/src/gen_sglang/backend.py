@@ -142,10 +142,8 @@ class SglangGeneration(GenerationBackend):
                 "each loads (/update_weights_from_disk); nothing is written before",
                 "'keep' updates retract running rows and recompute their KV cache with the new "
                 "weights when they go on",
-                "sampled rows in 'raw' mode use SGLang's own top-k/top-p/min-p sampler; "
-                "'processed' rows sample from this project's distribution",
-                "a row's seed is honoured only with --enable-deterministic-inference (GPU); on "
-                "the CPU every sampled row is a fresh sample",
+                "sampled rows are sampled inside the server by this project's decoding step "
+                "(a custom logit processor), from a generator seeded with the row's seed",
             )
             + (() if on_gpu else ("finish_generation frees nothing on the CPU",)),
         )
@@ -295,8 +293,8 @@ class SglangGeneration(GenerationBackend):
             python = str(managed_python())
         args = _server_args(config, dtype, cpu=cpu, tokenizer=self._facts.has_tokenizer)
         env = {"PYTHONPATH": ":".join(support_dir(cpu=cpu))}
-        if config.get("logprobs_mode", "raw") == "raw":
-            env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        # Greedy rows report raw logprobs (sampled rows report RowSampler's own).
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         if cpu:
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         assert self._staged is not None

@@ -12,7 +12,7 @@ that a CPU machine cannot use. So the servers run from an interpreter of their o
   same environment. It lives under ``~/.cache/gen-sglang`` (``GEN_SGLANG_HOME`` moves it).
 
 Either way the servers import ``support_dir()`` first: this package's logit processor (the
-processed distribution, the same code the other backends sample from) and, on the CPU, two
+sampler: the decoding step the other backends run) and, on the CPU, two
 import-only stand-ins (``sgl_kernel``, ``torchvision``) for packages that have no CPU wheel or
 break beside this torch. ``gen-sglang-env`` makes the environment ahead of time.
 """
@@ -100,7 +100,7 @@ def managed_python(progress: Progress = print) -> Path:
 
 def support_dir(*, cpu: bool) -> list[str]:
     """The directories a server puts first on its ``PYTHONPATH``: this package's server-side
-    modules and a copy of ``gen_interface`` (their processed distribution), plus the CPU
+    modules and a copy of ``gen_interface`` (the decoding step they run), plus the CPU
     stand-ins when ``cpu``. Made once per version of those files."""
     sources = [_SERVER_SIDE, Path(gen_interface.__file__).parent]
     digest = hashlib.sha256()

@@ -3,14 +3,12 @@
 Every row is one request carrying every setting resolved (``RowSampling``), so SGLang's own
 defaults never apply:
 
-- greedy rows ask for temperature 0 (SGLang's argmax; logprobs raw);
-- sampled rows in ``"raw"`` mode use SGLang's sampler with the row's filters, and the server
-  reports raw logprobs (it runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB``);
-- sampled rows in ``"processed"`` mode go through ``ProcessedLogits`` (see
-  ``server_side/gen_sglang_processor.py``) with temperature 1 and no filters of SGLang's own, so
-  the reported logprobs are those of the distribution sampled from;
-- the row's seed is ``sampling_seed``, which SGLang honours in its deterministic-inference mode
-  only (a GPU mode; see the README).
+- greedy rows ask for temperature 0 (SGLang's argmax; logprobs raw, as the server runs with
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB``);
+- sampled rows go through ``RowSampler`` (``server_side/gen_sglang_processor.py``), which makes
+  the choice inside the server with the code gen-hf samples with, from a generator seeded with
+  the row's seed, and sends each token's logprob and top logprobs (raw or processed) back in
+  ``meta_info[CHOICE_KEY]``; SGLang's own logprobs for those rows are not used.
 
 Stop tokens are the row's alone: SGLang gets them as ``stop_token_ids`` and starts from a copy
 of the model that names no eos (``checkpoint.serving_dir``), so it stops at nothing else.
@@ -34,11 +32,11 @@ from gen_interface.scoring import ScoredRow
 
 __all__ = ["PROCESSOR", "RowStream", "batch_body", "generate_body", "score_body", "scored_row"]
 
-#: ``ProcessedLogits`` as SGLang's ``custom_logit_processor``: a pickle that names the class
+#: ``RowSampler`` as SGLang's ``custom_logit_processor``: a pickle that names the class
 #: (protocol 0), which the server imports from its support directory.
-PROCESSOR = json.dumps({"callable": b"cgen_sglang_processor\nProcessedLogits\n.".hex()})
-
-_INT63 = (1 << 63) - 1
+PROCESSOR = json.dumps({"callable": b"cgen_sglang_processor\nRowSampler\n.".hex()})
+#: Where ``RowSampler`` puts each token's choice in ``meta_info`` (its ``CHOICE_KEY``).
+CHOICE_KEY = "gen_sglang_choice"
 
 
 def generate_body(
@@ -52,7 +50,6 @@ def generate_body(
         "ignore_eos": False,  # the server's model names no eos (``serving_dir``)
         "no_stop_trim": True,
         "skip_special_tokens": False,
-        "sampling_seed": row.seed & _INT63,
     }
     if row.stop_strings:
         params["stop"] = list(row.stop_strings)
@@ -65,22 +62,20 @@ def generate_body(
     }
     if row.greedy:
         params["temperature"] = 0.0
-    elif processed:
+    else:
+        # SGLang's sampler takes the one token RowSampler allows; nothing of SGLang's own.
         params.update(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)
         params["custom_params"] = {
+            "seed": row.seed,
             "temperature": row.temperature,
             "top_k": row.top_k,
             "top_p": row.top_p,
             "min_p": row.min_p,
+            "top_logprobs": row.top_logprobs,
+            "processed": processed,
         }
         body["custom_logit_processor"] = PROCESSOR
-    else:
-        params.update(
-            temperature=row.temperature,
-            top_k=row.top_k if row.top_k is not None else -1,
-            top_p=row.top_p,
-            min_p=row.min_p,
-        )
+        body["top_logprobs_num"] = 0  # RowSampler's own come in meta_info
     body["sampling_params"] = params
     return body
 
@@ -123,11 +118,17 @@ def scored_row(answer: dict[str, Any], response_length: int, top_logprobs: int) 
         raise GenerationError(
             f"SGLang scored {len(chosen)} response tokens, {response_length} were sent"
         )
-    ids, values = _top_lists(tops, top_logprobs, response_length)
+    per_position = [
+        _top(tops[i] if i < len(tops) else None, top_logprobs) for i in range(response_length)
+    ]
     return ScoredRow(
         torch.tensor([_logprob(entry[0]) for entry in chosen], dtype=torch.float32),
-        torch.tensor(ids, dtype=torch.int64).reshape(response_length, top_logprobs),
-        torch.tensor(values, dtype=torch.float32).reshape(response_length, top_logprobs),
+        torch.tensor([ids for ids, _ in per_position], dtype=torch.int64).reshape(
+            response_length, top_logprobs
+        ),
+        torch.tensor([values for _, values in per_position], dtype=torch.float32).reshape(
+            response_length, top_logprobs
+        ),
     )
 
 
@@ -165,21 +166,13 @@ class RowStream:
         before = len(self.token_ids)
         new = ids[before:]
         if new:
-            entries = (meta.get("output_token_logprobs") or [])[before : len(ids)]
-            tops = (meta.get("output_top_logprobs") or [])[before : len(ids)]
-            if len(entries) != len(new):
-                raise GenerationError(
-                    f"SGLang sent {len(new)} new tokens with {len(entries)} logprobs"
-                )
+            logprobs, tops = _new_logprobs(meta, new, before, self.top_logprobs)
             self.token_ids.extend(int(t) for t in new)
-            self.logprobs.extend(_logprob(e[0]) for e in entries)
+            self.logprobs.extend(logprobs)
             self.versions.extend([_version(meta.get("weight_version"))] * len(new))
             if self.top_logprobs:
-                ids_k, values_k = _top_lists(tops, self.top_logprobs, len(new))
-                for i in range(len(new)):
-                    k = self.top_logprobs
-                    self.topk_ids.append(ids_k[i * k : (i + 1) * k])
-                    self.topk_logprobs.append(values_k[i * k : (i + 1) * k])
+                self.topk_ids.extend(top_ids for top_ids, _ in tops)
+                self.topk_logprobs.extend(top_values for _, top_values in tops)
         self.meta = meta
         self.finish = meta.get("finish_reason")
         stop = next((j for j, t in enumerate(new) if int(t) in self.stop_token_ids), None)
@@ -222,19 +215,42 @@ class RowStream:
         )
 
 
-def _top_lists(entries: Sequence[Any], k: int, count: int) -> tuple[list[int], list[float]]:
-    """Flattened ``[count * k]`` ids and logprobs from SGLang's per-position top lists
-    (``[[logprob, id, text], ...]``, likeliest first)."""
-    ids: list[int] = []
-    values: list[float] = []
-    for position in range(count):
-        entry = (entries[position] if position < len(entries) else None) or []
-        row = list(entry)[:k]
-        if len(row) != k:
-            raise GenerationError(f"SGLang sent {len(row)} top logprobs where {k} were asked")
-        ids.extend(int(e[1]) for e in row)
-        values.extend(_logprob(e[0]) for e in row)
-    return ids, values
+def _new_logprobs(
+    meta: dict[str, Any], new: Sequence[int], before: int, k: int
+) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
+    """The logprobs of a chunk's ``new`` tokens (positions ``before`` on) and, when ``k``, each
+    one's top ``k`` ids and logprobs: ``RowSampler``'s choices for a sampled row, SGLang's own
+    for a greedy one."""
+    end = before + len(new)
+    # SGLang pads the key with None for rows the processor did not sample (greedy rows).
+    entries = (meta.get(CHOICE_KEY) or [])[before:end]
+    if any(e is not None for e in entries):
+        failed = next((e for e in entries if e and e[0] == "error"), None)
+        if failed is not None:
+            raise GenerationError(f"the row's sampler failed inside the SGLang server: {failed[1]}")
+        if len(entries) != len(new) or any(
+            e is None or int(e[0]) != int(t) for e, t in zip(entries, new, strict=False)
+        ):
+            raise GenerationError(
+                f"SGLang sent tokens {list(new)} at positions {before}..{end - 1} where the "
+                f"row's sampler chose {[e and e[0] for e in entries]}"
+            )
+        tops = [([int(i) for i in e[2]], [_logprob(v) for v in e[3]]) for e in entries]
+        return [_logprob(e[1]) for e in entries], tops
+    chosen = (meta.get("output_token_logprobs") or [])[before:end]
+    if len(chosen) != len(new):
+        raise GenerationError(f"SGLang sent {len(new)} new tokens with {len(chosen)} logprobs")
+    tops = (meta.get("output_top_logprobs") or [])[before:end] if k else []
+    return [_logprob(e[0]) for e in chosen], [_top(entry, k) for entry in tops]
+
+
+def _top(entry: Sequence[Any] | None, k: int) -> tuple[list[int], list[float]]:
+    """The ids and logprobs of one position's SGLang top list (``[[logprob, id, text], ...]``,
+    likeliest first)."""
+    row = list(entry or [])[:k]
+    if len(row) != k:
+        raise GenerationError(f"SGLang sent {len(row)} top logprobs where {k} were asked")
+    return [int(e[1]) for e in row], [_logprob(e[0]) for e in row]
 
 
 def _logprob(value: float | None) -> float:

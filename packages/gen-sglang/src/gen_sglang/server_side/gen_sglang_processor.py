@@ -1,35 +1,153 @@
-"""The logit processor SGLang servers apply for rows in ``"processed"`` logprobs mode.
+"""The logit processor that samples every sampled row on an SGLang server, as every backend of
+this project samples.
 
-It runs inside the server (``support_dir`` puts it on the path), before SGLang's sampler. Each
-row's logits become ``gen_interface.sampling.processed_log_probs`` of them: temperature, min-p,
-top-k and top-p, in the order and with the tie rules every backend of this project samples
-with. The request then asks SGLang for temperature 1 and no filters of its own, so SGLang
-samples from exactly that distribution and reports its log-probabilities: the processed
-logprobs, which SGLang's own sampler does not report (its logprobs are tempered, not filtered).
+It runs inside the server (``support_dir`` puts it on the path), before SGLang's sampler, and
+makes the choice itself with ``gen_interface.sampling.select_next_tokens``, the reference
+decoding step gen-hf runs: the row's temperature, min-p, top-k and top-p in this project's order
+and tie rules, and a draw from a torch generator seeded with the row's seed that lives on the
+request for its whole life. So a row's tokens depend on its seed and its logits alone, as on
+gen-hf, which SGLang's own sampler cannot give on the CPU (it honours seeds only in its
+deterministic-inference mode, a GPU mode).
 
-A row's ``custom_params``: ``{"temperature": float, "top_k": int | None, "top_p": float,
-"min_p": float}``.
+The processor hands the choice to SGLang by returning logits that allow only the chosen token,
+and hands back what SGLang would no longer report right, the token's logprob and the row's top
+logprobs (raw or processed, as the row asks), through the request's ``customized_info`` under
+``CHOICE_KEY``: one ``[token, logprob, top_ids, top_logprobs]`` entry per generated token, which
+SGLang streams in each chunk's ``meta_info`` beside the tokens it committed.
+
+SGLang runs a forward before it has taken the previous one's tokens, and drops a request's
+token when the request is retracted meanwhile (memory pressure, or a ``retract`` pause); it then
+computes that position again. So the choices are kept per position: after a retraction, the
+choices past the tokens SGLang committed are dropped and the generator goes back to its state
+before the first of them, so the row draws as if the dropped forward had never run.
+
+A processor that raises stops SGLang's scheduler, so a failure here is reported in the row
+instead (an ``["error", message]`` entry) and the row goes on unchanged; the client ends the
+call with the message.
+
+A row's ``custom_params``: ``{"seed": int, "temperature": float, "top_k": int | None,
+"top_p": float, "min_p": float, "top_logprobs": int, "processed": bool}``; SGLang adds
+``"__req__"``, the request.
 """
 
 from __future__ import annotations
 
+import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gen_interface.sampling import processed_log_probs
+from gen_interface.row_sampling import RowSampling
+from gen_interface.sampling import row_generators, select_next_tokens
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
+#: The ``customized_info`` (and so ``meta_info``) key of each token's choice.
+CHOICE_KEY = "gen_sglang_choice"
 
-class ProcessedLogits(CustomLogitProcessor):
+
+class RowSampler(CustomLogitProcessor):
     def __call__(
         self, logits: torch.Tensor, custom_param_list: list[dict[str, Any]] | None = None
     ) -> torch.Tensor:
-        rows = custom_param_list or []
-        filtered = processed_log_probs(
-            logits,
-            torch.tensor([float(r["temperature"]) for r in rows]),
-            [r.get("top_k") for r in rows],
-            torch.tensor([float(r["top_p"]) for r in rows]),
-            torch.tensor([float(r["min_p"]) for r in rows]),
+        params = custom_param_list or []
+        # A request whose prompt is still being prefilled in chunks gets no token from this
+        # forward: its generator must not move.
+        live = [i for i, p in enumerate(params) if _takes_a_token(p["__req__"])]
+        if not live:
+            return logits
+        try:
+            return _choose(logits, [params[i] for i in live], live)
+        except Exception:  # a raise here would stop SGLang's scheduler (see the docstring)
+            message = traceback.format_exc(limit=4)
+            for i in live:
+                _draws(params[i]["__req__"]).choices.append(["error", message])
+            return logits
+
+
+@dataclass
+class _Draws:
+    """What a request keeps between forwards: its generator, its choices (the list SGLang
+    streams), the generator's state before each choice not yet committed, and the retraction
+    count the choices were made under."""
+
+    generator: torch.Generator
+    choices: list[Any]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+    retractions: int = 0
+
+
+def _choose(logits: torch.Tensor, params: list[dict[str, Any]], live: list[int]) -> torch.Tensor:
+    reqs = [p["__req__"] for p in params]
+    rows = [_row(p) for p in params]
+    draws = [_draws(req, row.seed) for req, row in zip(reqs, rows, strict=True)]
+    for req, kept in zip(reqs, draws, strict=True):
+        _forget_dropped(req, kept)
+        kept.states[len(kept.choices)] = kept.generator.get_state()
+    index = torch.tensor(live, dtype=torch.int64, device=logits.device)
+    choice = select_next_tokens(
+        logits.index_select(0, index),
+        rows,
+        processed=bool(params[0]["processed"]),
+        generators=[kept.generator for kept in draws],
+    )
+    for j, (row, kept) in enumerate(zip(rows, draws, strict=True)):
+        k = row.top_logprobs
+        kept.choices.append(
+            [
+                int(choice.tokens[j]),
+                float(choice.logprobs[j]),
+                choice.topk_ids[j, :k].tolist(),
+                choice.topk_logprobs[j, :k].tolist(),
+            ]
         )
-        return filtered.to(device=logits.device, dtype=logits.dtype)
+    only = torch.full((len(live), logits.shape[1]), float("-inf"), dtype=logits.dtype)
+    only.scatter_(1, choice.tokens.reshape(-1, 1).cpu(), 0.0)
+    out = logits.clone()
+    out.index_copy_(0, index, only.to(logits.device))
+    return out
+
+
+def _takes_a_token(req: Any) -> bool:
+    """Whether this forward gives the request a token (not a middle chunk of its prompt)."""
+    return not req.finished() and req.inflight_middle_chunks <= 0
+
+
+def _forget_dropped(req: Any, kept: _Draws) -> None:
+    """Drop the choices SGLang dropped with a retraction, and rewind the generator to before
+    the first of them; forget the saved states of committed choices."""
+    committed = len(req.output_ids)
+    if req.retraction_count != kept.retractions:
+        kept.retractions = req.retraction_count
+        if len(kept.choices) > committed:
+            kept.generator.set_state(kept.states[committed])
+            del kept.choices[committed:]
+    for position in [p for p in kept.states if p < committed]:
+        del kept.states[position]
+
+
+def _row(p: dict[str, Any]) -> RowSampling:
+    return RowSampling(
+        max_new_tokens=1,
+        temperature=float(p["temperature"]),
+        top_k=p["top_k"],
+        top_p=float(p["top_p"]),
+        stop_token_ids=(),
+        stop_strings=(),
+        seed=int(p["seed"]),
+        min_p=float(p["min_p"]),
+        top_logprobs=int(p["top_logprobs"]),
+    )
+
+
+def _draws(req: Any, seed: int = 0) -> _Draws:
+    """The request's ``_Draws``, made at its first token; its choices are the list SGLang
+    streams (``req.customized_info[CHOICE_KEY]``)."""
+    kept = getattr(req, "_gen_sglang_draws", None)
+    if kept is None:
+        if req.customized_info is None:
+            req.customized_info = {}
+        choices = req.customized_info.setdefault(CHOICE_KEY, [])
+        (generator,) = row_generators([seed])
+        kept = _Draws(generator, choices, retractions=req.retraction_count)
+        req._gen_sglang_draws = kept
+    return kept

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -36,8 +36,6 @@ class AsyncRowChecks:
     #: 106 KiB and 63 KiB left (gen-hf: 125 KiB after 600 rows, so it does not grow with them).
     peak_bytes_per_row = 32 * 1024
     bytes_left_behind = 256 * 1024
-    #: As ``SuiteBase.samples_not_repeatable``: then only greedy rows are compared.
-    samples_not_repeatable: ClassVar[str | None] = None
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -51,7 +49,7 @@ class AsyncRowChecks:
     ) -> None:
         view = streaming.with_sampling(max_new_tokens=12, stop_token_ids=[], seed=3)
         batch = pad_prompts(PROMPTS, "left")
-        for greedy in (True, False) if self.samples_not_repeatable is None else (True,):
+        for greedy in (True, False):
             expected = view.generate(batch, greedy=greedy)
             rows = asyncio.run(_collect(view, batch, greedy))
             assert sorted(i for i, _ in rows) == list(range(len(PROMPTS)))
@@ -68,7 +66,7 @@ class AsyncRowChecks:
         view = streaming.with_sampling(max_new_tokens=12, stop_token_ids=[], seed=5)
         batch = pad_prompts(PROMPTS, "left")
         batch["top_logprobs"] = torch.tensor([0, 2, 1, 3])
-        for greedy in (True, False) if self.samples_not_repeatable is None else (True,):
+        for greedy in (True, False):
             expected = view.generate(batch, greedy=greedy)
             events = asyncio.run(_events(view, batch, greedy))
             for i, prompt in enumerate(PROMPTS):

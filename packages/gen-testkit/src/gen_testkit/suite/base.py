@@ -130,19 +130,6 @@ class SuiteBase:
     #: Loads are staged and reach the served weights only at the commit (gen-sglang): an update
     #: dropped midway leaves them whole, so the rows it paused go on.
     stages_whole_updates: ClassVar[bool] = False
-    #: Why this subject cannot repeat a sampled row from its seed (None: it can). The checks
-    #: that compare sampled rows then run greedy rows only, or skip with this reason.
-    samples_not_repeatable: ClassVar[str | None] = None
-
-    def _sampled(self, greedy: bool) -> bool:
-        """Whether a drawn ``greedy`` flag can run sampled here: False skips the example."""
-        return greedy or self.samples_not_repeatable is None
-
-    def _require_repeatable_samples(self) -> None:
-        if self.samples_not_repeatable is not None:
-            pytest.skip(
-                f"sampled rows do not repeat from their seeds: {self.samples_not_repeatable}"
-            )
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gen_testkit.strategies import PADDINGS, pad_prompts, prompts
@@ -30,7 +30,6 @@ class DeterminismProperties(SuiteBase):
     @given(data=st.data())
     def test_seeded_sampling_repeatable(self, subject: ConformanceSubject, data: st.DataObject):
         """With a config seed, the same sampled call twice gives the same output."""
-        self._require_repeatable_samples()
         drawn = self._draw(data, subject)
         first = subject.backend.generate(drawn.data, greedy=False)
         second = subject.backend.generate(drawn.data, greedy=False)
@@ -57,7 +56,6 @@ class DeterminismProperties(SuiteBase):
     ):
         """Per-row seeds that differ only in high bits (2^31, 2^32, 2^48 apart) sample
         differently, and each seed repeats its own sample: no seed bits are dropped."""
-        self._require_repeatable_samples()
         prompt = data.draw(prompts(subject.vocab_size, min_rows=1, max_rows=1), label="prompt")[0]
         batch = pad_prompts(
             [prompt] * 8, "right", pad_token_id=subject.backend.config["pad_token_id"]
@@ -78,7 +76,6 @@ class DeterminismProperties(SuiteBase):
         self, subject: ConformanceSubject, data: st.DataObject, greedy: bool
     ):
         """Row i's output does not change when the other rows of its batch change."""
-        assume(self._sampled(greedy))
         drawn = self._draw(data, subject, min_rows=2)
         i = data.draw(st.integers(0, len(drawn.prompts) - 1), label="row")
         others = data.draw(
@@ -104,7 +101,6 @@ class DeterminismProperties(SuiteBase):
         self, subject: ConformanceSubject, data: st.DataObject, greedy: bool
     ):
         """Left, right, mixed padding and input_lengths give the same output."""
-        assume(self._sampled(greedy))
         rows = data.draw(
             prompts(subject.vocab_size, max_rows=self.max_rows, max_length=self.max_prompt_length),
             label="prompts",
@@ -125,8 +121,7 @@ class DeterminismProperties(SuiteBase):
     ):
         """A sampled, seeded batch with more prompt tokens than an engine schedules in one step
         (``large_batch_tokens``): every row equals that row generated alone, and the backend
-        keeps serving. Greedy where sampled rows do not repeat (``samples_not_repeatable``)."""
-        greedy = self.samples_not_repeatable is not None
+        keeps serving."""
         pad = subject.backend.config["pad_token_id"]
         rows, length = self.large_batch_rows, self.large_batch_tokens // self.large_batch_rows
         generator = torch.Generator().manual_seed(17)
@@ -137,13 +132,13 @@ class DeterminismProperties(SuiteBase):
         seeds = torch.arange(1000, 1000 + rows)
         batch = pad_prompts(prompts_, "left", pad_token_id=pad)
         batch["sample_seeds"] = seeds
-        whole = subject.backend.generate(batch, greedy=greedy)
+        whole = subject.backend.generate(batch, greedy=False)
         for i, prompt in enumerate(prompts_):
             alone = pad_prompts([prompt], "right", pad_token_id=pad)
             alone["sample_seeds"] = seeds[i : i + 1]
             self._assert_same(
                 subject,
                 whole.select_indices([i]),
-                subject.backend.generate(alone, greedy=greedy),
+                subject.backend.generate(alone, greedy=False),
                 f"row {i} of {rows} ({sum(map(len, prompts_))} prompt tokens) vs alone",
             )

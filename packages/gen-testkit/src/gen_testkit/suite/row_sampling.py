@@ -65,7 +65,6 @@ class RowSamplingProperties(SuiteBase):
     ):
         """Mixed per-row max_new_tokens, temperature, top-k, top-p, min-p, stop ids, seeds and
         top logprobs in one batch: each row equals that row alone, its settings in the config."""
-        self._require_repeatable_samples()
         backend, pad = subject.backend, subject.backend.config["pad_token_id"]
         drawn = self._draw(data, subject)
         limit = int(backend.config["max_new_tokens"])
