@@ -21,6 +21,7 @@ from gen_interface.weights.shm import (
     SEGMENT_PREFIX,
     create_segment,
     owner_of,
+    owner_tag,
     segment_dir,
     sweep_orphans,
     unlink_segment,
@@ -118,6 +119,22 @@ def test_the_sweep_removes_only_segments_whose_owner_is_gone(tmp_path):
         names["other_namespace"],
         names["not_ours"],
     }
+
+
+def test_the_sweep_takes_another_prefix_and_removes_directories(tmp_path):
+    """Another package's owned files and directories (gen-sglang's staged checkpoints): named
+    with its own prefix and ``owner_tag``, swept the same way, directories whole."""
+    dead = owner_tag().split("-")
+    dead[1] = str(_a_pid_not_running())
+    gone = tmp_path / f"pkg-{'-'.join(dead)}-abc_1"
+    (gone / "weights").mkdir(parents=True)
+    (gone / "weights" / "model.safetensors").write_bytes(b"x")
+    alive = tmp_path / f"pkg-{owner_tag()}-def_2"
+    alive.mkdir()
+    other_prefix = tmp_path / f"{SEGMENT_PREFIX}{'-'.join(dead)}-0"
+    other_prefix.write_bytes(b"x")
+    assert sweep_orphans(tmp_path, "pkg-") == [str(gone)]
+    assert not gone.exists() and alive.exists() and other_prefix.exists()
 
 
 @pytest.fixture(autouse=True)

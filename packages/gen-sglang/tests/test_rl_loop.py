@@ -9,15 +9,17 @@ two). The loop's ``shutdown`` leaves no server process or staged file behind.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from example_modules import load_example
+from gen_interface.weights.shm import owner_tag, segment_dir
+from gen_sglang.checkpoint import STAGED_PREFIX
 from gen_testkit.models import TinyModel
 
 
 def _servers_and_staging() -> tuple[set[int], set[str]]:
-    """The SGLang server processes running, and this process's staged checkpoints."""
+    """The SGLang server processes running; this process's staged checkpoints and servers'
+    temp directories, and SGLang's slot files in shared memory."""
     servers = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -25,9 +27,10 @@ def _servers_and_staging() -> tuple[set[int], set[str]]:
                 command = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"sglang.launch_server" in command:
+            if b"gen_sglang_launch" in command or b"sglang.launch_server" in command:
                 servers.add(int(entry.name))
-    staged = {p.name for p in Path("/dev/shm").glob(f"gen-sglang-{os.getpid()}-*")}
+    staged = {p.name for p in segment_dir().glob(f"{STAGED_PREFIX}{owner_tag()}-*")}
+    staged |= {p.name for p in Path("/dev/shm").glob("sglang_loads_*")}  # SGLang's own
     return servers, staged
 
 

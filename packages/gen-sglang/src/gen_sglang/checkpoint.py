@@ -14,7 +14,6 @@ aborted update leaves every server on its old weights, whole.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import tempfile
@@ -27,8 +26,12 @@ from typing import Any
 import torch
 from gen_interface import GenerationConfigError
 from gen_interface.weights.consumer import TensorSpecs
+from gen_interface.weights.shm import owner_tag, segment_dir, sweep_orphans
 
-__all__ = ["ModelFacts", "StagedCheckpoint", "read_model_facts", "serving_dir"]
+__all__ = ["STAGED_PREFIX", "ModelFacts", "StagedCheckpoint", "read_model_facts", "serving_dir"]
+
+#: How a staged checkpoint's directory is named in shared memory, before its owner's tag.
+STAGED_PREFIX = "gen-sglang-"
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -113,7 +116,9 @@ class StagedCheckpoint:
 
     The directory holds the model's other files (config, tokenizer) too, since SGLang loads it
     as a model directory. ``root`` (holding ``dir``, and the server's ``serving_dir``) is
-    removed on ``close``, when the object is collected, or at exit.
+    removed on ``close``, when the object is collected, or at exit; its name holds the owner's
+    ``owner_tag``, so when the owner dies without a word (SIGKILL, the OOM killer) the next
+    staged checkpoint made on the machine removes it (``sweep_orphans``).
 
     Args:
         model_dir: the model whose non-weight files are copied.
@@ -122,8 +127,9 @@ class StagedCheckpoint:
     """
 
     def __init__(self, model_dir: Path, specs: TensorSpecs, optional: frozenset[str]):
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.root = Path(tempfile.mkdtemp(prefix=f"gen-sglang-{os.getpid()}-", dir=base))
+        base = segment_dir()
+        sweep_orphans(base, STAGED_PREFIX)
+        self.root = Path(tempfile.mkdtemp(prefix=f"{STAGED_PREFIX}{owner_tag()}-", dir=base))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
         self.dir = self.root / "weights"
         self.dir.mkdir()

@@ -1,13 +1,25 @@
 """``SglangServer``: one ``sglang.launch_server`` process on 127.0.0.1, started, watched, stopped.
 
 The server runs in a session of its own, so stopping it stops its scheduler and detokenizer
-processes too; a finaliser stops it if its owner forgets (or exits), so no server outlives the
-backend that started it. Its output goes to a log file whose tail every start-up error quotes.
+processes too; a finaliser stops it if its owner forgets (or exits), and the server ends itself
+when its owner dies without a word (``server_side/gen_sglang_launch.py`` watches its parent),
+so no server outlives the backend that started it. Its output goes to a log file whose tail
+every start-up error quotes.
+
+SGLang leaves files behind however it stops (its ZMQ sockets in the temp directory, a
+``sglang_loads_*`` slot file in ``/dev/shm`` per server). So each server gets a directory of
+its own in shared memory as its ``TMPDIR``, named with the owner's tag like the staged
+checkpoints (``checkpoint.STAGED_PREFIX``, swept the same way when the owner is gone), and
+``stop`` removes it, and the ``/dev/shm`` files the server's processes had open. Stopping is
+SIGKILL to the session, as SGLang stops its own processes: a SIGTERM only adds its 5 s
+crash-diagnostics pause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,8 +31,11 @@ from pathlib import Path
 
 import httpx
 from gen_interface import BackendUnavailableError
+from gen_interface.weights.shm import owner_tag, segment_dir, sweep_orphans
 
-__all__ = ["SglangServer", "free_port", "session_processes"]
+from gen_sglang.checkpoint import STAGED_PREFIX
+
+__all__ = ["SglangServer", "free_port", "session_processes", "shared_memory_files"]
 
 _LOG_TAIL = 3000
 
@@ -55,9 +70,12 @@ class SglangServer:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        handle, log = tempfile.mkstemp(prefix=f"gen-sglang-{os.getpid()}-", suffix=".log")
+        owned = f"{STAGED_PREFIX}{owner_tag()}-"
+        sweep_orphans(Path(tempfile.gettempdir()), STAGED_PREFIX)  # logs of owners gone
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=owned, dir=segment_dir()))
+        handle, log = tempfile.mkstemp(prefix=owned, suffix=".log")
         self.log_path = Path(log)
-        command = [str(python), "-m", "sglang.launch_server", "--model-path", model]
+        command = [str(python), "-m", "gen_sglang_launch", "--model-path", model]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         try:
             self.process = subprocess.Popen(
@@ -65,17 +83,18 @@ class SglangServer:
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **env},
+                env={**os.environ, **env, "TMPDIR": str(self.tmp_dir)},
                 start_new_session=True,
             )
         except OSError as exc:
             os.close(handle)
+            _remove_files(self.log_path, self.tmp_dir)
             raise BackendUnavailableError(
                 f"could not start SGLang ({name}) with {python}: {exc}; set sglang_cfg.python "
                 "to an environment with sglang, or leave it out for the managed one"
             ) from exc
         os.close(handle)
-        self._finalizer = weakref.finalize(self, _stop, self.process, self.log_path)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.log_path, self.tmp_dir)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the server answers ``/health_generate`` (it has generated a token).
@@ -121,21 +140,42 @@ class SglangServer:
         self._finalizer()
 
 
-def _stop(process: subprocess.Popen[bytes], log_path: Path) -> None:
-    """SIGTERM the server's session, SIGKILL what is left after 10 s, remove its log."""
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and session_processes(process.pid):
-            process.poll()
-            time.sleep(0.1)
-        if not session_processes(process.pid):
-            break
+def _stop(process: subprocess.Popen[bytes], log_path: Path, tmp_dir: Path) -> None:
+    """SIGKILL the server's session, wait (5 s at most) until it is gone, remove its files."""
+    slots = shared_memory_files(process.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while session_processes(process.pid) and time.monotonic() < deadline:
+        process.poll()
+        time.sleep(0.05)
     process.poll()
+    for slot in slots:
+        slot.unlink(missing_ok=True)
+    _remove_files(log_path, tmp_dir)
+
+
+def _remove_files(log_path: Path, tmp_dir: Path) -> None:
     log_path.unlink(missing_ok=True)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def shared_memory_files(pgid: int) -> set[Path]:
+    """The files in ``/dev/shm`` that the processes of a server's session have open or mapped:
+    SGLang's own (a ``sglang_loads_*`` slot file per server), which it leaves behind however
+    it stops."""
+    found: set[Path] = set()
+    for pid in session_processes(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            if "/dev/shm/" in line:
+                links.append(line[line.index("/dev/shm/") :])
+        found |= {Path(link) for link in links if link.startswith("/dev/shm/sglang_")}
+    return found
 
 
 def session_processes(pgid: int) -> list[int]:

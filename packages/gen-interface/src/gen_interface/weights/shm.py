@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 from collections import OrderedDict
@@ -31,6 +32,7 @@ __all__ = [
     "create_segment",
     "map_segment",
     "owner_of",
+    "owner_tag",
     "segment_dir",
     "sweep_orphans",
     "unlink_segment",
@@ -68,7 +70,7 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
     global _owner
     pid = os.getpid()
     if _owner is None or _owner[0] != pid:
-        _owner = (pid, f"{_pid_namespace()}-{pid}-{_start_time(pid) or 0}")
+        _owner = (pid, owner_tag())
         sweep_orphans()
     size = max(nbytes, 1)
     path = str(segment_dir() / f"{SEGMENT_PREFIX}{_owner[1]}-{uuid.uuid4().hex}")
@@ -137,14 +139,24 @@ def unlink_segment(path: str) -> bool:
     return True
 
 
-def owner_of(path: str | Path) -> tuple[int | None, int, int | None] | None:
+def owner_tag() -> str:
+    """``"<PID namespace>-<pid>-<start time>"`` of this process: what a segment's name holds
+    after its prefix, so that ``sweep_orphans`` can tell when its owner is gone."""
+    pid = os.getpid()
+    return f"{_pid_namespace()}-{pid}-{_start_time(pid) or 0}"
+
+
+def owner_of(
+    path: str | Path, prefix: str = SEGMENT_PREFIX
+) -> tuple[int | None, int, int | None] | None:
     """``(PID namespace, pid, start time)`` of the process that made segment ``path``, from its
-    name (namespace and start time None where unknown: names of earlier releases hold the pid
-    alone); None for a name this module did not make."""
+    name: ``prefix``, ``owner_tag()``, ``-`` and a unique part without ``-`` (namespace and
+    start time None where unknown: names of earlier releases hold the pid alone); None for a
+    name not made so."""
     name = Path(path).name
-    if not name.startswith(SEGMENT_PREFIX):
+    if not name.startswith(prefix):
         return None
-    parts = name[len(SEGMENT_PREFIX) :].split("-")
+    parts = name[len(prefix) :].split("-")
     try:
         if len(parts) == 4:
             return int(parts[0]), int(parts[1]), int(parts[2]) or None
@@ -155,10 +167,12 @@ def owner_of(path: str | Path) -> tuple[int | None, int, int | None] | None:
     return None
 
 
-def sweep_orphans(directory: Path | None = None) -> list[str]:
-    """Remove every segment of this module whose owner is no longer running; returns their
-    paths. A segment whose owner cannot be told apart from a live process, or that was made in
-    another PID namespace, is kept."""
+def sweep_orphans(directory: Path | None = None, prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Remove every segment (file or directory) named ``prefix`` + ``owner_tag()`` + ``-...``
+    whose owner is no longer running; returns their paths. A segment whose owner cannot be told
+    apart from a live process, or that was made in another PID namespace, is kept. The default
+    prefix is this module's; other packages name theirs with their own (gen-sglang's staged
+    checkpoints)."""
     removed: list[str] = []
     root = directory if directory is not None else segment_dir()
     try:
@@ -167,13 +181,16 @@ def sweep_orphans(directory: Path | None = None) -> list[str]:
         return removed
     here = _pid_namespace()
     for entry in entries:
-        owner = owner_of(entry)
+        owner = owner_of(entry, prefix)
         if owner is None:
             continue
         namespace, pid, start_time = owner
         if (namespace is not None and namespace != here) or _running(pid, start_time):
             continue
-        if unlink_segment(str(entry)):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+        elif unlink_segment(str(entry)):
             removed.append(str(entry))
     if removed:
         logger.info("removed %d shared-memory segments of processes gone", len(removed))
