@@ -13,24 +13,13 @@ import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationConfigError, create_generation_backend
 from gen_testkit.models import TinyModel
-from gen_testkit.servers import VLLM_SERVE_ENV, ServerProcess, free_port, vllm_serve_command
+from gen_testkit.servers import ServerProcess
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.tolerances import tolerance_for
 from servers import hf_backend
 
 PROMPTS = [[5, 17, 42, 8], [99], [7, 7, 7]]
 SETTINGS = {"top_logprobs": 2, "max_new_tokens": 8, "stop_token_ids": [2], "pad_token_id": 0}
-
-
-@pytest.fixture(scope="module")
-def vllm_serve(tiny_qwen2: TinyModel) -> Iterator[ServerProcess]:
-    pytest.importorskip("vllm")
-    port = free_port()
-    command = vllm_serve_command(tiny_qwen2.path, port, served_model_name="tiny")
-    server = ServerProcess(command, port, env=VLLM_SERVE_ENV, name="vllm-serve")
-    server.wait_ready(timeout_s=300)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

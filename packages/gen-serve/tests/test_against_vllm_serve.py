@@ -11,12 +11,11 @@ token-in-token-out route mounted, on 127.0.0.1.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from gen_testkit.servers import VLLM_SERVE_ENV, ServerProcess, free_port, vllm_serve_command
+from gen_testkit.servers import ServerProcess
 from gen_testkit.tolerances import tolerance_for
 
 #: Keys this server adds to vLLM's objects (each choice's weight version).
@@ -29,21 +28,6 @@ KEYED_BY_TOKEN = ("top_logprobs[0]", "prompt_logprobs[1]")
 TOLERANCE = tolerance_for("float32", across_backends=True)
 
 IDS = [5, 17, 42, 8, 99, 3]
-
-
-@pytest.fixture(scope="module")
-def vllm_serve(tiny_qwen2: Any) -> Iterator[ServerProcess]:
-    pytest.importorskip("vllm")
-    port = free_port()
-    server = ServerProcess(
-        vllm_serve_command(tiny_qwen2.path, port, served_model_name="tiny"),
-        port,
-        env=VLLM_SERVE_ENV,
-        name="vllm-serve",
-    )
-    server.wait_ready(600)
-    yield server
-    server.stop()
 
 
 def _both(vllm_serve: ServerProcess, ours: Any, path: str, body: Any) -> tuple[Any, Any]:

@@ -8,12 +8,13 @@ Tests marked ``gpu`` are skipped when no CUDA device is present.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from gen_testkit.models import TinyModel, build_tiny_model
+from gen_testkit.servers import ServerProcess
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
@@ -82,3 +83,19 @@ def tiny_qwen2_tied(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
 def tiny_qwen3_moe(tiny_model: Callable[[str], TinyModel]) -> TinyModel:
     """The ``tiny-qwen3-moe`` preset: Qwen3-MoE, 2 layers of 8 experts, top-2, float32."""
     return tiny_model("tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def vllm_serve(tiny_qwen2: TinyModel) -> Iterator[ServerProcess]:
+    """vLLM's own OpenAI server on ``tiny_qwen2`` (served as ``tiny``), on 127.0.0.1 and a free
+    port, for the tests that compare with it: started once for the session (about 40 s here;
+    idle, it costs about 1% of a core), stopped at its end."""
+    pytest.importorskip("vllm")
+    from gen_testkit.servers import VLLM_SERVE_ENV, free_port, vllm_serve_command
+
+    port = free_port()
+    command = vllm_serve_command(tiny_qwen2.path, port, served_model_name="tiny")
+    server = ServerProcess(command, port, env=VLLM_SERVE_ENV, name="vllm-serve")
+    server.wait_ready(timeout_s=600)
+    yield server
+    server.stop()
