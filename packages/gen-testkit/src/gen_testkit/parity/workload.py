@@ -38,7 +38,8 @@ class ParityBatch:
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    """Prefixes to sample many first tokens after, each row with its own seed."""
+    """Prefixes to sample many first tokens after, each row with its own seed and one new token
+    (only the first is tested)."""
 
     prefixes: list[list[int]]
     samples_per_prefix: int
@@ -46,6 +47,7 @@ class SamplingPlan:
     def batch(self, prefix: list[int]) -> BatchedDataDict[GenerationDatumSpec]:
         data = pad_prompts([prefix] * self.samples_per_prefix, "right")
         data["sample_seeds"] = torch.arange(self.samples_per_prefix, dtype=torch.int64) * 7919 + 1
+        data["max_new_tokens"] = torch.ones(self.samples_per_prefix, dtype=torch.int64)
         return data
 
 
