@@ -103,7 +103,7 @@ class _Handoff:
             self._items.append(item)
             first = len(self._items) == 1
         if first:  # the list was empty: no drain is scheduled
-            self._loop.call_soon_threadsafe(self._drain)
+            self._call_soon(self._drain)
 
     def flush_then(self, callback: Any, *args: Any) -> None:
         """Hand over what waits, then run ``callback(*args)`` on the loop."""
@@ -112,7 +112,16 @@ class _Handoff:
             self._drain()
             callback(*args)
 
-        self._loop.call_soon_threadsafe(both)
+        self._call_soon(both)
+
+    def _call_soon(self, callback: Any) -> None:
+        """Schedule ``callback`` on the loop; nothing when the loop is closed (its consumer
+        closed the stream early and left: no one is waiting for the rest)."""
+        try:
+            self._loop.call_soon_threadsafe(callback)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     def _drain(self) -> None:
         with self._lock:
