@@ -169,7 +169,8 @@ class SglangGeneration(GenerationBackend):
                         prompts[index], row, max_new_tokens=budget, processed=processed, rid=rid
                     )
                 )
-                streams.append(RowStream(row.top_logprobs, frozenset(row.stop_token_ids)))
+                stops = frozenset(row.stop_token_ids)
+                streams.append(RowStream(row.top_logprobs, stops, sampled=not row.greedy))
             streamed = [0] * len(rows)  # tokens reported through on_token, per row
             with contextlib.closing(self._chunks(server, batch_body(bodies))) as chunks:
                 for chunk in chunks:

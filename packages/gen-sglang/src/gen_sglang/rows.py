@@ -139,12 +139,14 @@ class RowStream:
     Attributes:
         top_logprobs: how many top logprobs the row asked for.
         stop_token_ids: the row's stop tokens: the row ends at the first (``stopped_here``).
+        sampled: the row is sampled, so its choices must come from ``RowSampler``.
         token_ids, logprobs, topk_ids, topk_logprobs: the row so far.
         versions: the weight version SGLang labelled each token's chunk with.
     """
 
     top_logprobs: int
     stop_token_ids: frozenset[int] = frozenset()
+    sampled: bool = False
     stopped_here: bool = False
     versions: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -166,7 +168,7 @@ class RowStream:
         before = len(self.token_ids)
         new = ids[before:]
         if new:
-            logprobs, tops = _new_logprobs(meta, new, before, self.top_logprobs)
+            logprobs, tops = _new_logprobs(meta, new, before, self.top_logprobs, self.sampled)
             self.token_ids.extend(int(t) for t in new)
             self.logprobs.extend(logprobs)
             self.versions.extend([_version(meta.get("weight_version"))] * len(new))
@@ -216,7 +218,7 @@ class RowStream:
 
 
 def _new_logprobs(
-    meta: dict[str, Any], new: Sequence[int], before: int, k: int
+    meta: dict[str, Any], new: Sequence[int], before: int, k: int, sampled: bool
 ) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
     """The logprobs of a chunk's ``new`` tokens (positions ``before`` on) and, when ``k``, each
     one's top ``k`` ids and logprobs: ``RowSampler``'s choices for a sampled row, SGLang's own
@@ -237,6 +239,12 @@ def _new_logprobs(
             )
         tops = [([int(i) for i in e[2]], [_logprob(v) for v in e[3]]) for e in entries]
         return [_logprob(e[1]) for e in entries], tops
+    if sampled:
+        raise GenerationError(
+            "the SGLang server did not run the row's sampler (no choice came back for a sampled "
+            "row): it must start with --enable-custom-logit-processor and this package's support "
+            "directory on its PYTHONPATH, as SglangGeneration starts it"
+        )
     chosen = (meta.get("output_token_logprobs") or [])[before:end]
     if len(chosen) != len(new):
         raise GenerationError(f"SGLang sent {len(new)} new tokens with {len(chosen)} logprobs")

@@ -32,6 +32,7 @@ A row's ``custom_params``: ``{"seed": int, "temperature": float, "top_k": int | 
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,17 +51,16 @@ class RowSampler(CustomLogitProcessor):
         self, logits: torch.Tensor, custom_param_list: list[dict[str, Any]] | None = None
     ) -> torch.Tensor:
         params = custom_param_list or []
-        # A request whose prompt is still being prefilled in chunks gets no token from this
-        # forward: its generator must not move.
-        live = [i for i, p in enumerate(params) if _takes_a_token(p["__req__"])]
-        if not live:
-            return logits
         try:
-            return _choose(logits, [params[i] for i in live], live)
+            # A request whose prompt is still being prefilled in chunks gets no token from this
+            # forward: its generator must not move.
+            live = [i for i, p in enumerate(params) if _takes_a_token(p["__req__"])]
+            return _choose(logits, [params[i] for i in live], live) if live else logits
         except Exception:  # a raise here would stop SGLang's scheduler (see the docstring)
             message = traceback.format_exc(limit=4)
-            for i in live:
-                _draws(params[i]["__req__"]).choices.append(["error", message])
+            for p in params:
+                with contextlib.suppress(Exception):
+                    _draws(p["__req__"]).choices.append(["error", message])
             return logits
 
 
