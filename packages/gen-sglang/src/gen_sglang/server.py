@@ -34,6 +34,7 @@ from gen_interface import BackendUnavailableError
 from gen_interface.weights.shm import owner_tag, segment_dir, sweep_orphans
 
 from gen_sglang.checkpoint import STAGED_PREFIX
+from gen_sglang.server_side.gen_sglang_launch import session_processes, shared_memory_files
 
 __all__ = ["SglangServer", "free_port", "session_processes", "shared_memory_files"]
 
@@ -158,37 +159,3 @@ def _stop(process: subprocess.Popen[bytes], log_path: Path, tmp_dir: Path) -> No
 def _remove_files(log_path: Path, tmp_dir: Path) -> None:
     log_path.unlink(missing_ok=True)
     shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def shared_memory_files(pgid: int) -> set[Path]:
-    """The files in ``/dev/shm`` that the processes of a server's session have open or mapped:
-    SGLang's own (a ``sglang_loads_*`` slot file per server), which it leaves behind however
-    it stops."""
-    found: set[Path] = set()
-    for pid in session_processes(pgid):
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            if "/dev/shm/" in line:
-                links.append(line[line.index("/dev/shm/") :])
-        found |= {Path(link) for link in links if link.startswith("/dev/shm/sglang_")}
-    return found
-
-
-def session_processes(pgid: int) -> list[int]:
-    """The live (not zombie) processes of the session a server leads: itself, its scheduler
-    and detokenizer, and whatever they started."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(entry.name))
-    return alive

@@ -8,6 +8,9 @@ for it, and the files SGLang's processes have open in ``/dev/shm``) and kills it
 process group, which ``SglangServer`` made a session of its own holding the server and every
 process SGLang started (scheduler, detokenizer). The next staged checkpoint made on the machine
 removes the owner's own shared-memory files (``gen_sglang.checkpoint``).
+
+The module imports the standard library only: ``gen_sglang.server`` uses its process and file
+scans too.
 """
 
 from __future__ import annotations
@@ -24,27 +27,31 @@ from pathlib import Path
 _POLL_S = 1.0
 
 
-def _watch(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(_POLL_S)
-    try:  # as gen_sglang.server._stop does (this side cannot import gen_sglang)
-        shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
-        for slot in _shared_memory_files():
-            slot.unlink(missing_ok=True)
-    finally:
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _shared_memory_files() -> set[Path]:
-    """SGLang's files in ``/dev/shm`` that this session's processes have open or mapped."""
-    group = os.getpgrp()
-    found: set[Path] = set()
+def session_processes(pgid: int) -> list[int]:
+    """The live (not zombie) processes of the session a server leads: itself, its scheduler
+    and detokenizer, and whatever they started."""
+    alive = []
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            if not entry.name.isdigit() or os.getpgid(int(entry.name)) != group:
-                continue
-            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-            maps = (entry / "maps").read_text()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def shared_memory_files(pgid: int) -> set[Path]:
+    """The files in ``/dev/shm`` that the processes of a server's session have open or mapped:
+    SGLang's own (a ``sglang_loads_*`` slot file per server), which it leaves behind however
+    it stops."""
+    found: set[Path] = set()
+    for pid in session_processes(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
         except OSError:
             continue
         links += [
@@ -52,6 +59,17 @@ def _shared_memory_files() -> set[Path]:
         ]
         found |= {Path(link) for link in links if link.startswith("/dev/shm/sglang_")}
     return found
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_POLL_S)
+    try:  # what gen_sglang.server's stop does, from inside
+        shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
+        for slot in shared_memory_files(os.getpgrp()):
+            slot.unlink(missing_ok=True)
+    finally:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
