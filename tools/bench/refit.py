@@ -2,17 +2,27 @@
 
     uv run python tools/bench/refit.py [--models bench-160m,bench-250m] [--reps 3]
 
-For each random float32 model, in one run: a plain copy of the same tensors (``dst.copy_(src)``,
-the ceiling); bare vLLM's own in-process ``reload_weights(weights_iterator=...)`` of the same
-tensors (``bare``: no transport, no checks, vLLM's weight processing included: the floor any
-vLLM refit pays); then every refit path into gen-hf and into gen-vllm with one and with two
-replicas, each repeated and interleaved with the copy so that load from elsewhere falls on all
-alike. Paths: ``refit`` (streamed through reusable shared-memory buckets, of the shape the
-backend states it loads fastest with unless ``--bucket-mib`` / ``--buffers`` say otherwise),
-``in place`` (the same refit of weights that already live in shared memory, ``share_tensors``:
-no trainer-side copy), ``one-shot`` (``share_weights`` + one ``update_weights_from_ipc_handles``),
-and for vLLM ``collective`` (``WeightBroadcaster`` over gloo). Every path is a complete, verified
-transaction.
+For each random float32 model, in one run:
+
+- a plain copy of the same tensors (``dst.copy_(src)``): the ceiling of any refit;
+- bare vLLM's own in-process ``reload_weights(weights_iterator=...)`` of the same tensors
+  (``bare``: no transport, no checks, vLLM's weight processing included): the floor any vLLM refit
+  pays. One engine per model, its reload timed inside every gen-vllm section beside that section's
+  paths (this machine's speed drifts from one section to the next); its memory counts as the
+  trainer's there. Beside it, the same reload after the two verified copies a streamed refit adds
+  (``bare reload + verified copies``, ``refit_ceiling.py``);
+- every refit path into gen-hf and into gen-vllm with one and with two replicas, each repeated and
+  interleaved with the copy so that load from elsewhere falls on all alike. Paths: ``refit``
+  (streamed through reusable shared-memory buckets, of the shape the backend states it loads
+  fastest with unless ``--bucket-mib`` / ``--buffers`` say otherwise), ``in place`` (the same
+  refit of weights that already live in shared memory, ``share_tensors``: no trainer-side copy),
+  ``one-shot`` (``share_weights`` + one ``update_weights_from_ipc_handles``), and for vLLM
+  ``collective`` (``WeightBroadcaster`` over gloo). Every path is a complete, verified
+  transaction;
+- beside gen-hf's paths, two ``ceiling`` rows: the copies and checksums of a streamed refit alone,
+  with no handles, transaction or backend (``refit_ceiling.py``), in gen-hf's bucket shape and in
+  small buckets that stay in the last-level cache. No streamed refit through buckets beats them on
+  the machine it runs on.
 
 With ``--lora-rank R``, gen-hf and gen-vllm also serve a LoRA adapter of rank R on every
 projection (q, k, v, o, gate, up, down), and each reports an adapter-only refit (its bytes and
@@ -43,6 +53,7 @@ from gen_interface import configure_generation_config
 from gen_interface.lora import adapter_specs
 from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors, share_weights
 from gen_testkit.models import build_tiny_model
+from refit_ceiling import ceiling_paths, verified_reload_floor
 
 GB = 1e9  # GB/s in decimal gigabytes
 MIB = 2**20
@@ -108,6 +119,12 @@ def _rss_anon(pid: int) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+#: The path of bare vLLM's own reload, when it is timed beside a backend's paths.
+BARE_RELOAD = "bare vLLM reload_weights"
+#: Bare vLLM's reload after the two verified copies a streamed refit adds (``refit_ceiling``).
+BARE_VERIFIED = "bare reload + verified copies"
+
+
 def timed(run: Callable[[], Any]) -> float:
     start = time.perf_counter()
     run()
@@ -150,8 +167,6 @@ def build_backend(kind: str, model_path: str, lora: dict[str, Any] | None = None
         "stop_token_ids": [],
         "lora": lora,
     }
-    if kind == "bare":
-        return BareVllm(model_path)
     if kind == "hf":
         from gen_hf import HfGeneration
 
@@ -191,14 +206,20 @@ def paths_for(
         "refit in place": lambda _: in_place.refit(in_shm),
         "one-shot shm": one_shot,
     }
-    if kind != "hf":
+    if kind == "hf":  # beside it, the same copies with no layers: the ceiling of any of them
+        targets = {name: torch.zeros_like(tensor) for name, tensor in in_shm.items()}
+        paths.update(ceiling_paths(targets, refitter.bucket_bytes))
+    else:
         broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=600)
         paths["collective (gloo)"] = broadcaster.refit
     return paths
 
 
-def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> list[dict]:
-    """Every path into one backend, interleaved with the copy, ``args.reps`` times."""
+def measure(
+    kind: str, preset: str, weights: dict, args: argparse.Namespace, bare: BareVllm | None = None
+) -> list[dict]:
+    """Every path into one backend, interleaved with the copy, ``args.reps`` times; with
+    ``bare``, its reload too (the floor, measured beside the paths it is the floor of)."""
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     copies = {k: torch.empty_like(v) for k, v in weights.items()}
 
@@ -207,10 +228,13 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
             copies[name].copy_(tensor)
 
     copy()
-    backend = build_backend(kind, str(build_tiny_model(preset).path))
+    backend = bare if kind == "bare" else build_backend(kind, str(build_tiny_model(preset).path))
     in_shm, shared = share_tensors(weights)  # the trainer's weights, kept in shared memory
     try:
         paths = paths_for(kind, backend, args, in_shm)
+        if bare is not None and kind != "bare":
+            floor = verified_reload_floor(bare.reload, 128 * MIB)
+            paths = {BARE_RELOAD: bare.reload, BARE_VERIFIED: floor, **paths}
         best = dict.fromkeys(paths, float("inf"))
         best_copy = float("inf")
         memory: dict[str, tuple[int, int]] = {}
@@ -228,7 +252,8 @@ def measure(kind: str, preset: str, weights: dict, args: argparse.Namespace) -> 
                     max(worker, peak.extra("worker")),
                 )
     finally:
-        backend.shutdown()
+        if kind != "bare":
+            backend.shutdown()
         shared.close()
     copy_gbs = nbytes / best_copy / GB
     label = {"bare": "bare vLLM", "hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[
@@ -305,19 +330,35 @@ def main() -> list[dict[str, Any]]:
             f"{nbytes / GB:.2f} GB float32",
             flush=True,
         )
-        for kind in args.backends.split(","):
-            rows.extend(measure(kind, preset, weights, args))
-            if args.lora_rank and kind != "bare":
-                measure_adapter(kind, preset, weights, args)
+        kinds = args.backends.split(",")
+        # One bare engine per model, its reload timed beside every vLLM backend's paths (alone
+        # only when no vLLM backend is asked for): this machine's speed drifts between sections.
+        bare = BareVllm(str(model.path)) if "bare" in kinds else None
+        vllm_kinds = [k for k in kinds if k.startswith("vllm")]
+        try:
+            for kind in kinds:
+                if kind == "bare" and vllm_kinds:
+                    continue
+                rows.extend(measure(kind, preset, weights, args, bare if kind != "hf" else None))
+                if args.lora_rank and kind != "bare":
+                    measure_adapter(kind, preset, weights, args)
+        finally:
+            if bare is not None:
+                bare.shutdown()
     print()
-    floor = {r["model"]: r["seconds"] for r in rows if r["backend"] == "bare vLLM"}
+    floor = {
+        (r["model"], r["backend"]): r["seconds"]
+        for r in rows
+        if r["path"] in (BARE_RELOAD, "reload_weights")
+    }
     print(
         "| model | backend | path | s | GB/s | ratio to copy | time / bare vLLM reload "
         "| trainer +MiB | worker +MiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        to_floor = f"{r['seconds'] / floor[r['model']]:.2f}" if r["model"] in floor else "-"
+        section = (r["model"], r["backend"])
+        to_floor = f"{r['seconds'] / floor[section]:.2f}" if section in floor else "-"
         print(
             f"| {r['model']} | {r['backend']} | {r['path']} | {r['seconds']:.3f} | "
             f"{r['gb_s']:.2f} | {r['ratio']:.2f} (copy {r['copy_gb_s']:.2f} GB/s) | {to_floor} | "

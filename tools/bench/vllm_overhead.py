@@ -14,8 +14,11 @@ from elsewhere falls on both alike. Sampled generation with a seed per row, exac
 tokens per row (no stop tokens), float32.
 
 Start-up is timed in fresh processes, from the interpreter's start to the first generated token:
-a bare ``vllm.LLM``; ``VllmGeneration`` starting Ray itself; and ``VllmGeneration`` joining a
-Ray that is already running (as under a Ray-based trainer). Prints tables and the ratios.
+a bare ``vllm.LLM``; the same bare ``vllm.LLM`` built inside a plain Ray actor of a Ray the process
+starts (``ray.init``, a placement group, one actor: the floor of any design that runs its engine
+in a Ray actor, as NeMo RL does, with none of this project's code); ``VllmGeneration`` starting
+Ray itself; and ``VllmGeneration`` joining a Ray that is already running (as under a Ray-based
+trainer). Prints tables and the ratios, to the bare engine and to the Ray floor.
 Run it on an otherwise idle machine.
 """
 
@@ -45,6 +48,41 @@ llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_
 params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False)
 llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)  # as VllmGeneration asks
 print("FIRST TOKEN", flush=True)
+"""
+
+_RAY_FLOOR_START = """
+import os, sys
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("RAY_worker_niceness", "0")  # as VllmGeneration's cluster sets it
+import torch
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+ray.init(include_dashboard=False, log_to_driver=False)
+cpus = int(ray.cluster_resources()["CPU"])  # the machine's cores, as VllmGeneration's one replica
+group = placement_group([{"CPU": cpus}], strategy="STRICT_PACK")
+ray.get(group.ready())
+
+@ray.remote
+class BareEngine:
+    def __init__(self, model, kv_gib):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        self.llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                       kv_cache_memory_bytes=int(float(kv_gib) * (1 << 30)), seed=0)
+
+    def first_token(self):
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False)
+        self.llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+
+engine = BareEngine.options(
+    num_cpus=cpus,
+    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+).remote(sys.argv[1], sys.argv[2])
+ray.get(engine.first_token.remote())
+print("FIRST TOKEN", flush=True)
+ray.shutdown()
 """
 
 _OURS_START = """
@@ -177,6 +215,10 @@ def gen_vllm_run(
         cluster.shutdown()
 
 
+#: The start-up of a bare ``vllm.LLM`` in a plain Ray actor of a Ray started for it.
+_FLOOR = "bare vllm.LLM in a Ray actor, starting Ray"
+
+
 def startup_seconds(script: str, *argv: str) -> float:
     """Seconds from starting a fresh interpreter to its printing FIRST TOKEN."""
     start = time.perf_counter()
@@ -201,12 +243,14 @@ def bench_startups(model: str, args: argparse.Namespace) -> dict[str, float]:
         return {}
     kv = str(args.kv_gib)
     runs = range(args.startups)
-    bare, starting = [], []
-    for _ in runs:  # alternating, so that drifting load falls on both alike
+    bare, floor, starting = [], [], []
+    for _ in runs:  # alternating, so that drifting load falls on all alike
         bare.append(startup_seconds(_BARE_START, model, kv))
+        floor.append(startup_seconds(_RAY_FLOOR_START, model, kv))
         starting.append(startup_seconds(_OURS_START, model, kv, "start"))
     out = {
         "bare vllm.LLM": statistics.median(bare),
+        _FLOOR: statistics.median(floor),
         "VllmGeneration, starting Ray": statistics.median(starting),
     }
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -264,9 +308,13 @@ def main() -> None:
 def print_startups(startups: dict[str, float]) -> None:
     if not startups:
         return
-    print("\n| start-up, fresh process to first token | s | vs bare |\n|---|---|---|")
+    bare, floor = startups["bare vllm.LLM"], startups[_FLOOR]
+    print(
+        "\n| start-up, fresh process to first token | s | vs bare | vs Ray floor |"
+        "\n|---|---|---|---|"
+    )
     for name, seconds in startups.items():
-        print(f"| {name} | {seconds:.1f} | {seconds / startups['bare vllm.LLM']:.2f} |")
+        print(f"| {name} | {seconds:.1f} | {seconds / bare:.2f} | {seconds / floor:.2f} |")
 
 
 if __name__ == "__main__":
