@@ -62,17 +62,18 @@ def verified_reload_floor(
     bare vLLM's own ``reload`` of the same tensors; one after the other, as they run on two
     cores, with no Ray, handles or transaction. It does less than any such refit: the reload
     reads the original tensors, not the bucket."""
-    stream = _Stream(bucket_bytes)
+    bucket = [torch.zeros(bucket_bytes, dtype=torch.uint8)]  # one, as gen-vllm uses on CPU
 
     def run(weights: dict[str, torch.Tensor]) -> None:
+        # Bucketed as a refit would; nothing is written back, so each piece's target is itself.
         pairs = [(_flat(tensor), _flat(tensor)) for tensor in weights.values()]
         largest = max(source.numel() for source, _ in pairs)
-        if largest > stream.buckets[0].numel():
-            stream.buckets = [torch.zeros(largest, dtype=torch.uint8) for _ in range(2)]
+        if largest > bucket[0].numel():  # a bucket grows to hold the largest tensor
+            bucket[0] = torch.zeros(largest, dtype=torch.uint8)
         for pieces in _whole_tensor_buckets(pairs, bucket_bytes):
             offset = 0
             for source, _ in pieces:
-                view = stream.buckets[0][offset : offset + source.numel()]
+                view = bucket[0][offset : offset + source.numel()]
                 written = copy_with_checksums(view, source)
                 if chunk_checksums(view) != written:
                     raise AssertionError("a bucket changed while it was read back")
