@@ -233,7 +233,7 @@ def measure(
     try:
         paths = paths_for(kind, backend, args, in_shm)
         if bare is not None and kind != "bare":
-            floor = verified_reload_floor(bare.reload, 128 * MIB)
+            floor = verified_reload_floor(bare.reload, backend.capabilities.refit_bucket_bytes)
             paths = {BARE_RELOAD: bare.reload, BARE_VERIFIED: floor, **paths}
         best = dict.fromkeys(paths, float("inf"))
         best_copy = float("inf")

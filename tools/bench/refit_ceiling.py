@@ -62,7 +62,7 @@ def verified_reload_floor(
     bare vLLM's own ``reload`` of the same tensors; one after the other, as they run on two
     cores, with no Ray, handles or transaction. It does less than any such refit: the reload
     reads the original tensors, not the bucket."""
-    bucket = [torch.zeros(bucket_bytes, dtype=torch.uint8)]  # one, as gen-vllm uses on CPU
+    bucket = [torch.zeros(bucket_bytes, dtype=torch.uint8)]  # one: its loads follow each fill
 
     def run(weights: dict[str, torch.Tensor]) -> None:
         # Bucketed as a refit would; nothing is written back, so each piece's target is itself.
