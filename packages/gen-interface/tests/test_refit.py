@@ -1,7 +1,9 @@
-"""Streaming refits: bounded memory, the transaction around them, and failures midway.
+"""Streaming refits: bounded memory, the transaction around them, and failures midway; and the
+hand-over to a backend in the trainer's process, which needs no bucket.
 
 Run against the testkit's n-gram backend (eight tables of 4 MiB), so memory is measured on a
-real backend without a model download or an engine.
+real backend without a model download or an engine. It shares this process, so the streaming
+tests ask for buckets (``hand_over=False``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from gen_interface import GenerationError, WeightUpdateError
-from gen_interface.weights import refit, share_weights
+from gen_interface.weights import Refitter, refit, share_weights
 from gen_testkit.conformance import conformance_config
 from gen_testkit.ngram import NgramGeneration
 from gen_testkit.strategies import pad_prompts
@@ -87,7 +89,7 @@ def test_a_streamed_refit_holds_about_two_buckets_whatever_the_model_size(backen
     with MemoryPeak() as one_shot, share_weights(weights) as shared:
         backend.update_weights_from_ipc_handles(shared.handles)
     with MemoryPeak() as streamed:
-        refit(backend, weights, bucket_bytes=bucket)
+        refit(backend, weights, bucket_bytes=bucket, hand_over=False)
     # One shot: a second full copy of the model. Streamed: two buckets, whatever the model.
     assert one_shot.extra > 0.9 * model_bytes, one_shot.extra
     assert streamed.extra < 2 * bucket + 2 * MIB, streamed.extra
@@ -99,7 +101,7 @@ def test_a_refit_commits_one_version_over_many_loads(backend):
     calls = []
     real = backend.update_weights_from_ipc_handles
     backend.update_weights_from_ipc_handles = lambda h: (calls.append(h), real(h))[1]
-    assert refit(backend, weights, version=42, bucket_bytes=4 * MIB) == 42
+    assert refit(backend, weights, version=42, bucket_bytes=4 * MIB, hand_over=False) == 42
     assert len(calls) == ORDER + 1  # the bias, then a table per bucket
     assert {h["release_after_read"] for h in calls} == {False}  # the ring reuses its buckets
     assert backend.weight_version == 42 and greedy(backend)["weight_version"].tolist() == [42, 42]
@@ -119,7 +121,7 @@ def test_a_refit_that_fails_midway_is_aborted_and_generation_waits(backend):
 
     backend.update_weights_from_ipc_handles = fail_second
     with pytest.raises(WeightUpdateError, match="went missing"):
-        refit(backend, new_weights(backend), bucket_bytes=4 * MIB)
+        refit(backend, new_weights(backend), bucket_bytes=4 * MIB, hand_over=False)
     backend.update_weights_from_ipc_handles = real
     assert backend.weight_version == 0
     with pytest.raises(GenerationError, match="part old, part new"):
@@ -133,5 +135,40 @@ def test_a_refit_refused_at_its_first_load_keeps_the_old_weights(backend):
     bad = new_weights(backend)
     bad["tables.1"] = bad["tables.1"][:, :7]
     with pytest.raises(WeightUpdateError, match=r"tables\.1"):
-        refit(backend, {"tables.1": bad.pop("tables.1"), **bad}, bucket_bytes=4 * MIB)
+        refit(
+            backend,
+            {"tables.1": bad.pop("tables.1"), **bad},
+            bucket_bytes=4 * MIB,
+            hand_over=False,
+        )
     assert torch.equal(greedy(backend)["logprobs"], before["logprobs"])
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /proc and /dev/shm")
+def test_a_backend_in_this_process_is_handed_the_tensors_in_one_load(backend):
+    """No bucket, no shared memory, no load through handles: one in-process load of the
+    transaction, its version committed and the weights equal to the trainer's."""
+    assert backend.capabilities.shares_process
+    weights = new_weights(backend)
+    handed, real = [], backend.update_weights_from_state_dict
+    backend.update_weights_from_state_dict = lambda sd: (handed.append(sd), real(sd))[1]
+    backend.update_weights_from_ipc_handles = lambda h: pytest.fail("a bucket was loaded")
+    with MemoryPeak() as peak, Refitter(backend) as refitter:
+        assert refitter.refit(weights, version=7) == 7
+        assert refitter.allocated_bytes() == 0
+    assert len(handed) == 1  # the trainer's own tensors, not copies:
+    assert all(handed[0][k].data_ptr() == v.data_ptr() for k, v in weights.items())
+    assert peak.extra < 2 * MIB, peak.extra  # the tables were written where they are
+    assert backend.weight_version == 7 and greedy(backend)["weight_version"].tolist() == [7, 7]
+    assert all(torch.equal(backend.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_a_refused_hand_over_is_aborted_and_keeps_the_old_weights(backend):
+    before = greedy(backend)
+    bad = new_weights(backend)
+    bad["tables.1"] = bad["tables.1"][:, :7]
+    with pytest.raises(WeightUpdateError, match=r"tables\.1"):
+        refit(backend, bad, version=3)
+    assert backend.weight_version == 0
+    assert torch.equal(greedy(backend)["logprobs"], before["logprobs"])
+    assert refit(backend, new_weights(backend), version=3) == 3  # the backend takes the next

@@ -39,7 +39,7 @@ TRAINER = textwrap.dedent(
     config = conformance_config(backend="ngram", model_name="ngram", vocab_size=256)
     backend = NgramGeneration(dict(config, ngram={"vocab_size": 256, "order": 4}))
     weights = {k: torch.randn_like(v) for k, v in backend.state_dict().items()}
-    refitter = Refitter(backend, bucket_bytes=2**20)  # never closed
+    refitter = Refitter(backend, bucket_bytes=2**20, hand_over=False)  # never closed
     refitter.refit(weights)
     print("refitted", flush=True)
     if sys.argv[1] == "hang":  # wait to be killed, segments held

@@ -161,6 +161,7 @@ class HfGeneration(InProcessBackend):
             in_flight_updates=True,
             token_streaming=True,
             weight_transports=frozenset(transports),
+            shares_process=True,
             devices=(self._device.type,),
             score=True,
             stop_strings=self._decode is not None,

@@ -51,6 +51,9 @@ class BackendCapabilities:
             ``cut_short``. False: an update waits for running calls to end.
         token_streaming: ``generate_stream`` yields each token as it is chosen (True), or each
             row's tokens at once when it finishes (False).
+        shares_process: the model lives in the caller's process, so ``Refitter`` hands it the
+            trainer's tensors in one ``update_weights_from_state_dict`` instead of copying them
+            into shared memory for another process to read.
         refit_bucket_bytes: the bucket size a streamed refit (``Refitter``) into this backend
             is fastest with, as measured by ``tools/bench/refit.py``.
         refit_buffers: buckets per place for such a refit: 2 fills one while the backend loads
@@ -71,6 +74,7 @@ class BackendCapabilities:
     stop_strings: bool = False
     in_flight_updates: bool = False
     token_streaming: bool = False
+    shares_process: bool = False
     refit_bucket_bytes: int = 64 * 2**20
     refit_buffers: int = 2
     batch_invariant: bool = False

@@ -103,8 +103,11 @@ class Refitter:
     """A trainer's streamed refits into one backend, keeping its buckets from one refit to the
     next (new buckets would be faulted in anew by the trainer and by every worker, each time).
 
-    Host tensors that already live in this project's shared memory (``share_parameters``) are
-    sent in place, with no copy and no bucket. A backend that shared memory cannot reach (a
+    A backend in this process (``capabilities.shares_process``: gen-hf) gets the tensors
+    themselves in one ``update_weights_from_state_dict`` of the transaction: no bucket, and no
+    copy but its own into the model. Host tensors that already live in this project's shared
+    memory (``share_parameters``) are sent in place, with no copy and no bucket. A backend that
+    shared memory cannot reach (a
     ``remote`` one on another machine: ``"collective"`` among its transports, neither ``"shm"``
     nor ``"cuda_ipc"``) gets its refits broadcast instead, through a ``WeightBroadcaster`` made
     on the first refit.
@@ -119,6 +122,9 @@ class Refitter:
             ``capabilities.refit_buffers``.
         collective_host: this machine's address as the backend reaches it, when refits are
             broadcast (``WeightBroadcaster.connect``'s ``host``).
+        hand_over: give the backend the tensors themselves; default: when it shares this
+            process. False streams through buckets anyway. ``bucket_bytes``, ``devices`` and
+            ``buffers`` shape buckets only.
     """
 
     def __init__(
@@ -129,9 +135,15 @@ class Refitter:
         devices: Sequence[torch.device | int | str] | None = None,
         buffers: int | None = None,
         collective_host: str | None = None,
+        hand_over: bool | None = None,
     ):
         capabilities = backend.capabilities
         transports = capabilities.weight_transports
+        self.hands_over = (
+            capabilities.shares_process and "state_dict" in transports
+            if hand_over is None
+            else hand_over
+        )
         self.broadcasts = "collective" in transports and not transports & {"shm", "cuda_ipc"}
         self.collective_host = collective_host
         self._broadcaster: WeightBroadcaster | None = None
@@ -153,10 +165,11 @@ class Refitter:
         """Load ``state_dict`` into the backend as one verified transaction, streamed.
 
         ``start_weight_update(version)``, then one ``update_weights_from_ipc_handles`` per bucket
-        while the next bucket is filled, then ``commit_weight_update()``. If anything fails the
-        transaction is aborted (``abort_weight_update``) and the error raised. Tensors in
-        ``share_parameters`` segments go in place: the trainer must not write to them until
-        this returns.
+        while the next bucket is filled, then ``commit_weight_update()``; for a backend in this
+        process, one ``update_weights_from_state_dict`` instead of the buckets. If anything fails
+        the transaction is aborted (``abort_weight_update``) and the error raised. Tensors in
+        ``share_parameters`` segments, and every tensor handed over, are read where they are:
+        the trainer must not write to them until this returns.
 
         Args:
             state_dict: every weight of the model, ``{name: tensor}`` or pairs, on one device.
@@ -172,6 +185,8 @@ class Refitter:
                 ``devices``.
         """
         tensors = named_tensors(state_dict)
+        if self.hands_over:
+            return self._hand_over(tensors, version, in_flight)
         if self.broadcasts:
             return self._broadcast(tensors, version, in_flight)
         places = resolve_places(tensors, self.devices)
@@ -208,6 +223,18 @@ class Refitter:
                 with contextlib.suppress(Exception):  # keep the original error
                     backend.abort_weight_update()
                 raise
+
+    def _hand_over(self, tensors: NamedTensors, version: int | None, in_flight: InFlight) -> int:
+        """The refit of a backend in this process: the tensors themselves, in one load."""
+        backend = self.backend
+        backend.start_weight_update(version, in_flight=in_flight)
+        try:
+            backend.update_weights_from_state_dict(dict(tensors))
+            return backend.commit_weight_update()
+        except BaseException:
+            with contextlib.suppress(Exception):  # keep the original error
+                backend.abort_weight_update()
+            raise
 
     def _broadcast(self, tensors: NamedTensors, version: int | None, in_flight: InFlight) -> int:
         """The refit through the collective path: the group is formed on the first refit."""
@@ -250,10 +277,13 @@ def refit(
     bucket_bytes: int | None = None,
     devices: Sequence[torch.device | int | str] | None = None,
     buffers: int | None = None,
+    hand_over: bool | None = None,
 ) -> int:
     """One streamed refit with buckets of its own (see ``Refitter.refit``); a training loop that
     refits every step keeps a ``Refitter`` instead, so its buckets are reused."""
-    with Refitter(backend, bucket_bytes=bucket_bytes, devices=devices, buffers=buffers) as once:
+    with Refitter(
+        backend, bucket_bytes=bucket_bytes, devices=devices, buffers=buffers, hand_over=hand_over
+    ) as once:
         return once.refit(state_dict, version=version, in_flight=in_flight)
 
 

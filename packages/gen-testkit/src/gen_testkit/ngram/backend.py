@@ -89,6 +89,7 @@ class NgramGeneration(InProcessBackend):
             in_flight_updates=True,
             token_streaming=True,
             weight_transports=frozenset({"shm", "state_dict"}),
+            shares_process=True,
             devices=("cpu",),
             score=True,
             notes=("runs without a tokenizer: stop strings are refused",),

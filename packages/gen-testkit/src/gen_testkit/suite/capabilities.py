@@ -138,13 +138,37 @@ class CapabilityProperties(SuiteBase):
         refit(backend, original)
         version = backend.weight_version + 5
         small = max(t.numel() * t.element_size() for t in new.values()) // 2
-        assert refit(backend, new, version=version, bucket_bytes=small) == version
+        streamed_version = refit(backend, new, version=version, bucket_bytes=small, hand_over=False)
+        assert streamed_version == version
         streamed = backend.generate(batch, greedy=True)
         assert torch.equal(streamed["output_ids"], one_shot["output_ids"])
         assert torch.equal(streamed["logprobs"], one_shot["logprobs"])
         assert streamed["weight_version"].tolist() == [version] * streamed.size
         refit(backend, original)
         assert torch.equal(backend.generate(batch, greedy=True)["logprobs"], before["logprobs"])
+
+    def test_a_refit_handed_over_equals_a_one_shot_update(self, subject: ConformanceSubject):
+        """A backend in the trainer's process (``shares_process``) gets the tensors themselves
+        from ``Refitter``, in one load and no bucket, and loads exactly what one
+        ``update_weights_from_ipc_handles`` loads."""
+        if not self.claims_weight_updates or not subject.backend.capabilities.shares_process:
+            pytest.skip("backend does not share the trainer's process")
+        original = _state_dict_of(subject)
+        backend, batch = subject.backend, self._fixed_batch(subject)
+        new = _perturbed(original)
+        with share_weights(new) as shared:
+            backend.update_weights_from_ipc_handles(shared.handles)
+        one_shot = backend.generate(batch, greedy=True)
+        refit(backend, original)
+        version = backend.weight_version + 3
+        with Refitter(backend) as refitter:
+            assert refitter.refit(new, version=version) == version
+            assert refitter.allocated_bytes() == 0, "the tensors were copied into buckets"
+        handed = backend.generate(batch, greedy=True)
+        assert torch.equal(handed["output_ids"], one_shot["output_ids"])
+        assert torch.equal(handed["logprobs"], one_shot["logprobs"])
+        assert handed["weight_version"].tolist() == [version] * handed.size
+        refit(backend, original)
 
     def test_a_refit_in_place_equals_a_copied_one(self, subject: ConformanceSubject):
         """Weights that live in shared memory (``share_parameters``) are sent where they are,
@@ -159,7 +183,7 @@ class CapabilityProperties(SuiteBase):
         copied = backend.generate(batch, greedy=True)
         refit(backend, original)
         in_shm, shared = share_tensors(new)
-        with shared, Refitter(backend) as refitter:
+        with shared, Refitter(backend, hand_over=False) as refitter:
             assert all(t.data_ptr() != new[k].data_ptr() for k, t in in_shm.items())
             refitter.refit(in_shm)
             assert refitter.allocated_bytes() == 0, "tensors in shared memory were copied"
