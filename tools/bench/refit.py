@@ -16,9 +16,11 @@ For each random float32 model, in one run:
   (streamed through reusable shared-memory buckets, of the shape the backend states it loads
   fastest with unless ``--bucket-mib`` / ``--buffers`` say otherwise), ``in place`` (the same
   refit of weights that already live in shared memory, ``share_tensors``: no trainer-side copy),
-  ``one-shot`` (``share_weights`` + one ``update_weights_from_ipc_handles``), and for vLLM
-  ``collective`` (``WeightBroadcaster`` over gloo). Every path is a complete, verified
-  transaction;
+  ``one-shot`` (``share_weights`` + one ``update_weights_from_ipc_handles``), for gen-hf
+  ``handed over`` (``Refitter``'s default for a backend in this process: the tensors themselves
+  in one ``update_weights_from_state_dict``, no bucket), and for vLLM ``collective``
+  (``WeightBroadcaster`` over gloo). Every path is a complete transaction, verified by checksums
+  wherever bytes cross a bucket;
 - beside gen-hf's paths, two ``ceiling`` rows: the copies and checksums of a streamed refit alone,
   with no handles, transaction or backend (``refit_ceiling.py``), in gen-hf's bucket shape and in
   small buckets that stay in the last-level cache. No streamed refit through buckets beats them on
@@ -193,9 +195,10 @@ def paths_for(
     if kind == "bare":
         return {"reload_weights": backend.reload}
     bucket = None if args.bucket_mib is None else args.bucket_mib * MIB
-    # keeps its buckets, as a training loop would
-    refitter = Refitter(backend, bucket_bytes=bucket, buffers=args.buffers)
-    in_place = Refitter(backend)
+    # keeps its buckets, as a training loop would; buckets even where the backend shares this
+    # process (its default there is the hand-over, timed as a path of its own)
+    refitter = Refitter(backend, bucket_bytes=bucket, buffers=args.buffers, hand_over=False)
+    in_place = Refitter(backend, hand_over=False)
 
     def one_shot(weights: dict) -> None:
         with share_weights(weights) as shared:
@@ -209,6 +212,7 @@ def paths_for(
     if kind == "hf":  # beside it, the same copies with no layers: the ceiling of any of them
         targets = {name: torch.zeros_like(tensor) for name, tensor in in_shm.items()}
         paths.update(ceiling_paths(targets, refitter.bucket_bytes))
+        paths["refit, handed over"] = Refitter(backend).refit  # no bucket: the default here
     else:
         broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=600)
         paths["collective (gloo)"] = broadcaster.refit
