@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gen_interface import GenerationError, WeightUpdateError
+from gen_interface import BackendCapabilities, GenerationError, WeightUpdateError
 from gen_interface.weights import Refitter, refit, share_weights
 from gen_testkit.conformance import conformance_config
 from gen_testkit.ngram import NgramGeneration
@@ -172,3 +172,12 @@ def test_a_refused_hand_over_is_aborted_and_keeps_the_old_weights(backend):
     assert backend.weight_version == 0
     assert torch.equal(greedy(backend)["logprobs"], before["logprobs"])
     assert refit(backend, new_weights(backend), version=3) == 3  # the backend takes the next
+
+
+def test_a_hand_over_is_refused_up_front_where_the_backend_takes_no_state_dict():
+    class ElsewhereBackend:  # what Refitter reads of a backend in another process
+        capabilities = BackendCapabilities(weight_transports=frozenset({"shm"}))
+
+    with pytest.raises(ValueError, match="takes no in-process state dict"):
+        Refitter(ElsewhereBackend(), hand_over=True)  # type: ignore[arg-type]
+    assert not Refitter(ElsewhereBackend()).hands_over  # type: ignore[arg-type]

@@ -125,6 +125,9 @@ class Refitter:
         hand_over: give the backend the tensors themselves; default: when it shares this
             process. False streams through buckets anyway. ``bucket_bytes``, ``devices`` and
             ``buffers`` shape buckets only.
+
+    Raises:
+        ValueError: ``hand_over=True`` for a backend that takes no in-process state dict.
     """
 
     def __init__(
@@ -139,6 +142,11 @@ class Refitter:
     ):
         capabilities = backend.capabilities
         transports = capabilities.weight_transports
+        if hand_over and "state_dict" not in transports:
+            raise ValueError(
+                f"hand_over=True, but {type(backend).__name__} takes no in-process state dict "
+                "(capabilities.weight_transports has no 'state_dict'): leave hand_over unset"
+            )
         self.hands_over = (
             capabilities.shares_process and "state_dict" in transports
             if hand_over is None
