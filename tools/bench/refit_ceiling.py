@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from gen_interface.weights.chunked import chunk_checksums, copy_with_checksums, verified_copy
+from gen_interface.weights.layout import plan_buckets
 
 __all__ = ["ceiling_paths", "verified_reload_floor"]
 
@@ -46,7 +47,10 @@ def ceiling_paths(
 
     return {
         f"ceiling, 2 x {bucket_bytes // MIB} MiB": lambda weights: whole.run(
-            list(_whole_tensor_buckets(pairs(weights), bucket_bytes))
+            [
+                [(_flat(tensor), _flat(targets[name])) for name, tensor in group]
+                for group in plan_buckets(list(weights.items()), bucket_bytes)
+            ]
         ),
         "ceiling, 2 x 8 MiB split": lambda weights: split.run(
             list(_split_buckets(pairs(weights), 8 * MIB))
@@ -65,14 +69,13 @@ def verified_reload_floor(
     bucket = [torch.zeros(bucket_bytes, dtype=torch.uint8)]  # one: its loads follow each fill
 
     def run(weights: dict[str, torch.Tensor]) -> None:
-        # Bucketed as a refit would; nothing is written back, so each piece's target is itself.
-        pairs = [(_flat(tensor), _flat(tensor)) for tensor in weights.values()]
-        largest = max(source.numel() for source, _ in pairs)
+        largest = max(_flat(tensor).numel() for tensor in weights.values())
         if largest > bucket[0].numel():  # a bucket grows to hold the largest tensor
             bucket[0] = torch.zeros(largest, dtype=torch.uint8)
-        for pieces in _whole_tensor_buckets(pairs, bucket_bytes):
+        for group in plan_buckets(list(weights.items()), bucket_bytes):  # as a refit lays out
             offset = 0
-            for source, _ in pieces:
+            for _, tensor in group:
+                source = _flat(tensor)
                 view = bucket[0][offset : offset + source.numel()]
                 written = copy_with_checksums(view, source)
                 if chunk_checksums(view) != written:
@@ -114,22 +117,6 @@ class _Stream:
 def _read_back(filled: list[tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
     for view, target, checksums in filled:
         verified_copy(target, view, checksums, "weight")
-
-
-def _whole_tensor_buckets(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], bucket_bytes: int
-) -> Iterator[Pieces]:
-    """Whole tensors in order, a bucket closed when the next tensor would not fit."""
-    pieces: Pieces = []
-    size = 0
-    for source, target in pairs:
-        if pieces and size + source.numel() > bucket_bytes:
-            yield pieces
-            pieces, size = [], 0
-        pieces.append((source, target))
-        size += source.numel()
-    if pieces:
-        yield pieces
 
 
 def _split_buckets(

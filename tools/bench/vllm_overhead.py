@@ -39,19 +39,30 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import torch
 from gen_interface import BatchedDataDict
 
-_BARE_START = """
+#: A bare ``vllm.LLM`` with the engine settings VllmGeneration uses, and its first token.
+_BARE_ENGINE = """
 import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-          kv_cache_memory_bytes=int(float(sys.argv[2]) * (1 << 30)), seed=0)
-params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False)
-llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)  # as VllmGeneration asks
-print("FIRST TOKEN", flush=True)
+
+def bare_first_token(model, kv_gib):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              kv_cache_memory_bytes=int(float(kv_gib) * (1 << 30)), seed=0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)  # as ours asks
 """
 
-_RAY_FLOOR_START = """
-import os, sys
+_BARE_START = (
+    _BARE_ENGINE
+    + """
+bare_first_token(sys.argv[1], sys.argv[2])
+print("FIRST TOKEN", flush=True)
+"""
+)
+
+_RAY_FLOOR_START = (
+    _BARE_ENGINE
+    + """
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_worker_niceness", "0")  # as VllmGeneration's cluster sets it
 import torch
@@ -62,28 +73,15 @@ ray.init(include_dashboard=False, log_to_driver=False)
 cpus = int(ray.cluster_resources()["CPU"])  # the machine's cores, as VllmGeneration's one replica
 group = placement_group([{"CPU": cpus}], strategy="STRICT_PACK")
 ray.get(group.ready())
-
-@ray.remote
-class BareEngine:
-    def __init__(self, model, kv_gib):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-        self.llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                       kv_cache_memory_bytes=int(float(kv_gib) * (1 << 30)), seed=0)
-
-    def first_token(self):
-        from vllm import SamplingParams
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False)
-        self.llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-
-engine = BareEngine.options(
+engine = ray.remote(bare_first_token).options(
     num_cpus=cpus,
     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
-).remote(sys.argv[1], sys.argv[2])
-ray.get(engine.first_token.remote())
+)
+ray.get(engine.remote(sys.argv[1], sys.argv[2]))
 print("FIRST TOKEN", flush=True)
 ray.shutdown()
 """
+)
 
 _OURS_START = """
 import os, sys

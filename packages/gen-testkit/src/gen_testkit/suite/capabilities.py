@@ -132,18 +132,12 @@ class CapabilityProperties(SuiteBase):
         backend, batch = subject.backend, self._fixed_batch(subject)
         before = backend.generate(batch, greedy=True)
         new = _perturbed(original)
-        with share_weights(new) as shared:
-            backend.update_weights_from_ipc_handles(shared.handles)
-        one_shot = backend.generate(batch, greedy=True)
-        refit(backend, original)
+        one_shot = _one_shot_outputs(backend, batch, new, original)
         version = backend.weight_version + 5
         small = max(t.numel() * t.element_size() for t in new.values()) // 2
         streamed_version = refit(backend, new, version=version, bucket_bytes=small, hand_over=False)
         assert streamed_version == version
-        streamed = backend.generate(batch, greedy=True)
-        assert torch.equal(streamed["output_ids"], one_shot["output_ids"])
-        assert torch.equal(streamed["logprobs"], one_shot["logprobs"])
-        assert streamed["weight_version"].tolist() == [version] * streamed.size
+        _assert_outputs_equal(backend.generate(batch, greedy=True), one_shot, version)
         refit(backend, original)
         assert torch.equal(backend.generate(batch, greedy=True)["logprobs"], before["logprobs"])
 
@@ -156,18 +150,12 @@ class CapabilityProperties(SuiteBase):
         original = _state_dict_of(subject)
         backend, batch = subject.backend, self._fixed_batch(subject)
         new = _perturbed(original)
-        with share_weights(new) as shared:
-            backend.update_weights_from_ipc_handles(shared.handles)
-        one_shot = backend.generate(batch, greedy=True)
-        refit(backend, original)
+        one_shot = _one_shot_outputs(backend, batch, new, original)
         version = backend.weight_version + 3
         with Refitter(backend) as refitter:
             assert refitter.refit(new, version=version) == version
             assert refitter.allocated_bytes() == 0, "the tensors were copied into buckets"
-        handed = backend.generate(batch, greedy=True)
-        assert torch.equal(handed["output_ids"], one_shot["output_ids"])
-        assert torch.equal(handed["logprobs"], one_shot["logprobs"])
-        assert handed["weight_version"].tolist() == [version] * handed.size
+        _assert_outputs_equal(backend.generate(batch, greedy=True), one_shot, version)
         refit(backend, original)
 
     def test_a_refit_in_place_equals_a_copied_one(self, subject: ConformanceSubject):
@@ -250,6 +238,25 @@ def _state_dict_of(subject: ConformanceSubject) -> dict[str, torch.Tensor]:
     if subject.state_dict is None:
         raise AssertionError("claims_weight_updates needs ConformanceSubject.state_dict")
     return {k: v.detach().clone() for k, v in subject.state_dict.items()}
+
+
+def _one_shot_outputs(
+    backend: Any, batch: Any, new: Mapping[str, torch.Tensor], original: Mapping[str, torch.Tensor]
+) -> Any:
+    """Greedy outputs of ``batch`` with ``new`` loaded in one ``update_weights_from_ipc_handles``;
+    ``original`` is refitted back afterwards."""
+    with share_weights(new) as shared:
+        backend.update_weights_from_ipc_handles(shared.handles)
+    outputs = backend.generate(batch, greedy=True)
+    refit(backend, original)
+    return outputs
+
+
+def _assert_outputs_equal(outputs: Any, expected: Any, version: int) -> None:
+    """Same tokens and logprobs as ``expected``, every row labelled with ``version``."""
+    assert torch.equal(outputs["output_ids"], expected["output_ids"])
+    assert torch.equal(outputs["logprobs"], expected["logprobs"])
+    assert outputs["weight_version"].tolist() == [version] * outputs.size
 
 
 def _perturbed(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
