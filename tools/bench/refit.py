@@ -32,8 +32,11 @@ seconds) beside a full refit of the same model into the same backend.
 
 Reports, per path, the best time, GB/s (model bytes / seconds), the ratio to the copy's GB/s,
 the ratio of its time to bare vLLM's reload of the same model,
-and the peak extra memory of the trainer (this process's private memory plus shared memory in
-use) and of a worker (the worker process's private memory; the backend's own process for HF).
+the peak extra memory of the trainer (this process's private memory plus shared memory in
+use) and of a worker (the worker process's private memory; the backend's own process for HF),
+and for every path that is one committed refit, where its best time went: the backend's
+``begin``, ``load`` (inside its loads: the calls, the checks, the engine's own load) and
+``commit`` (its metrics), and the rest, the ``trainer``'s (filling buckets while nothing loads).
 Run it on an otherwise idle machine.
 """
 
@@ -53,6 +56,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 import torch
 from gen_interface import configure_generation_config
 from gen_interface.lora import adapter_specs
+from gen_interface.metrics import REFIT_PHASES
 from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors, share_weights
 from gen_testkit.models import build_tiny_model
 from refit_ceiling import ceiling_paths, verified_reload_floor
@@ -125,6 +129,26 @@ def _rss_anon(pid: int) -> int:
 BARE_RELOAD = "bare vLLM reload_weights"
 #: Bare vLLM's reload after the two verified copies a streamed refit adds (``refit_ceiling``).
 BARE_VERIFIED = "bare reload + verified copies"
+
+
+def refit_phases(backend: Any) -> dict[str, float]:
+    """The backend's committed refits so far, and their seconds per phase (its metrics)."""
+    metrics = backend.get_logger_metrics() if hasattr(backend, "get_logger_metrics") else {}
+    keys = ["refits_total", *(f"refit_{phase}_seconds_total" for phase in REFIT_PHASES)]
+    return {key: float(metrics.get(key, 0.0)) for key in keys}
+
+
+def phase_split(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """Where one timed path's seconds went, when it was one committed refit: the backend's
+    begin, load and commit (loads: the call, the checks and the engine's own load), and the
+    rest, the trainer's (filling buckets while nothing loads). Empty for other paths."""
+    if after["refits_total"] - before["refits_total"] != 1:
+        return {}
+    split = {
+        phase: after[f"refit_{phase}_seconds_total"] - before[f"refit_{phase}_seconds_total"]
+        for phase in REFIT_PHASES
+    }
+    return {**split, "trainer": seconds - sum(split.values())}
 
 
 def timed(run: Callable[[], Any]) -> float:
@@ -240,14 +264,19 @@ def measure(
             floor = verified_reload_floor(bare.reload, backend.capabilities.refit_bucket_bytes)
             paths = {BARE_RELOAD: bare.reload, BARE_VERIFIED: floor, **paths}
         best = dict.fromkeys(paths, float("inf"))
+        phases: dict[str, dict[str, float]] = {}  # of each path's best repetition
         best_copy = float("inf")
         memory: dict[str, tuple[int, int]] = {}
         pids = {"trainer": os.getpid(), "worker": worker_pid(kind, backend)}
         for _ in range(args.reps):
             best_copy = min(best_copy, timed(copy))
             for name, run in paths.items():
+                before = refit_phases(backend)
                 with MemoryPeak(pids) as peak:
-                    best[name] = min(best[name], timed(lambda run=run: run(weights)))
+                    seconds = timed(lambda run=run: run(weights))
+                if seconds < best[name]:
+                    best[name] = seconds
+                    phases[name] = phase_split(before, refit_phases(backend), seconds)
                 # HF and bare vLLM run in this process: its memory counts as the worker's.
                 private = peak.extra("trainer") if kind not in ("hf", "bare") else 0
                 trainer, worker = memory.get(name, (0, 0))  # the largest over repetitions:
@@ -279,10 +308,12 @@ def measure(
                 "worker_extra_mib": memory[name][1] / MIB,
             }
         )
+        split = phases.get(name)
         print(
             f"  {label:12s} {name:24s} {seconds:7.3f} s {gbs:6.2f} GB/s  x{gbs / copy_gbs:.2f} "
             f"of copy ({copy_gbs:.2f} GB/s)  trainer +{memory[name][0] / MIB:.0f} MiB  worker "
-            f"+{memory[name][1] / MIB:.0f} MiB",
+            f"+{memory[name][1] / MIB:.0f} MiB"
+            + ("  [" + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + "]" if split else ""),
             flush=True,
         )
     return rows
