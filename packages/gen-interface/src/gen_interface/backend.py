@@ -74,7 +74,7 @@ from gen_interface.weights.consumer import (
 )
 from gen_interface.weights.handles import describe_slots
 from gen_interface.weights.shm import sweep_orphans
-from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
+from gen_interface.weights.updates import LoadWait, WeightUpdates, WeightUpdateSteps
 
 __all__ = ["GenerationBackend", "GenerationCall"]
 
@@ -465,8 +465,10 @@ class GenerationBackend(LoopCalls, GenerationInterface):
     def _close(self) -> None:
         """Free everything, once (``lifecycle.close_all`` runs every step even if one fails)."""
 
-    def _load_handles(self, handles: Mapping[str, Any]) -> None:
-        """Write one load of shared weights (already checked against the model) everywhere."""
+    def _load_handles(self, handles: Mapping[str, Any]) -> LoadWait | None:
+        """Write one load of shared weights (already checked against the model) everywhere,
+        or queue it on workers that run loads in order and return its wait (see
+        ``WeightUpdateSteps.load``)."""
         raise NotImplementedError(f"{type(self).__name__} does not support weight updates")
 
     def _write_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -173,7 +173,8 @@ class Refitter:
         """Load ``state_dict`` into the backend as one verified transaction, streamed.
 
         ``start_weight_update(version)``, then one ``update_weights_from_ipc_handles`` per bucket
-        while the next bucket is filled, then ``commit_weight_update()``; for a backend in this
+        while the next bucket is filled (as many loads in flight as buckets: the calls run on
+        that many threads), then ``commit_weight_update()``; for a backend in this
         process, one ``update_weights_from_state_dict`` instead of the buckets. If anything fails
         the transaction is aborted (``abort_weight_update``) and the error raised. Tensors in
         ``share_parameters`` segments, and every tensor handed over, are read where they are:
@@ -205,7 +206,9 @@ class Refitter:
             self._ring = BucketRing(places, self.bucket_bytes, self.buffers)
         ring = self._ring
         backend = self.backend
-        with ThreadPoolExecutor(1) as loader:
+        # A load per bucket may be in flight: a backend that queues loads (gen-vllm) starts
+        # each one as the one before ends, with no call in between.
+        with ThreadPoolExecutor(max(1, self.buffers)) as loader:
             backend.start_weight_update(version, in_flight=in_flight)
             loading: list[Future[None]] = []  # every load, in order
             filled: list[Future[None]] = []  # loads of ring buckets, in order

@@ -22,14 +22,19 @@ from gen_interface.lifecycle import Lifecycle, LifecycleView
 from gen_interface.metrics import GenerationMetrics
 from gen_interface.weights.consumer import TensorSpecs, check_update_is_complete
 from gen_interface.weights.handles import describe_weight_handles
+from gen_interface.weights.loads_in_flight import LoadsInFlight
 from gen_interface.weights.transaction import WeightTransaction, next_version
 
 if TYPE_CHECKING:
     from gen_interface.interface import InFlight
 
-__all__ = ["WeightUpdateSteps", "WeightUpdates"]
+__all__ = ["LoadWait", "WeightUpdateSteps", "WeightUpdates"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Waits for a load that was handed to the workers; raises as the load would have.
+LoadWait = Callable[[], None]
 
 
 def _nothing(*_: Any) -> None:
@@ -42,7 +47,10 @@ class WeightUpdateSteps:
 
     Attributes:
         load: load one set of handles (already checked against the model) into every worker.
-            It may raise ``WeightUpdateError`` before writing anything.
+            It may raise ``WeightUpdateError`` before writing anything. It may instead hand the
+            load to workers that run loads in the order they were handed them and return a
+            function that waits for it (raising as the load would): that wait runs outside
+            the transaction's lock, so the next load is handed over while this one runs.
         begin: prepare the workers for loads (e.g. pause generation, vLLM's
             ``start_weight_update``); receives the version and what to do with running rows.
         commit: finish on the workers, verify that all took the same weights, and let paused
@@ -52,7 +60,7 @@ class WeightUpdateSteps:
             by ``begin`` must not go on with these weights: they end, cut short.
     """
 
-    load: Callable[[Mapping[str, Any]], None]
+    load: Callable[[Mapping[str, Any]], LoadWait | None]
     begin: Callable[[int, InFlight], None] = _nothing
     commit: Callable[[int], None] = _nothing
     abort: Callable[[bool], None] = _nothing
@@ -126,30 +134,40 @@ class WeightUpdates:
         """One load of the open transaction, or a complete transaction of its own."""
         self.load_described(describe_weight_handles(handles), lambda: self.steps.load(handles))
 
-    def load_described(self, incoming: TensorSpecs, write: Callable[[], None]) -> None:
+    def load_described(self, incoming: TensorSpecs, write: Callable[[], LoadWait | None]) -> None:
         """``load`` for any source: ``incoming`` describes what ``write`` writes (an in-process
-        state dict, a collective broadcast)."""
+        state dict, a collective broadcast). ``write`` may return a wait (see
+        ``WeightUpdateSteps.load``); this returns when the load has finished either way."""
         with self._lock:
-            if self._open is not None:
-                self._open.accept_specs(incoming)  # a refused load changes nothing
-                self._timed_write(incoming, write)
+            if self._open is None:
+                self._load_whole(incoming, write)
                 return
-            # A single call is a whole update: check it all before anything is written.
-            check_update_is_complete(incoming, self.model, self.optional, self.groups)
-            self.start()
-            try:
-                assert self._open is not None
-                self._open.accept_specs(incoming)
-                self._timed_write(incoming, write)
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
+            self._open.accept_specs(incoming)  # a refused load changes nothing
+            timing = self._timing
+            wait = self._submit(timing, incoming, write)
+        if wait is not None:
+            _finish(timing.loads, wait)
+
+    def _load_whole(self, incoming: TensorSpecs, write: Callable[[], LoadWait | None]) -> None:
+        """A single call is a whole update: check it all before anything is written."""
+        check_update_is_complete(incoming, self.model, self.optional, self.groups)
+        self.start()
+        try:
+            assert self._open is not None
+            self._open.accept_specs(incoming)
+            wait = self._submit(self._timing, incoming, write)
+            if wait is not None:
+                _finish(self._timing.loads, wait)
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise
 
     def commit(self, version: int | None = None) -> int:
         """Close the transaction; see ``GenerationInterface.commit_weight_update``."""
         with self._lock:
             txn = self._require_open("commit_weight_update")
+            self._timing.loads.wait_idle()
             if version is not None:
                 txn.version = next_version(self.version, version)  # checks it is an int >= 0
                 with self._changed:
@@ -175,7 +193,7 @@ class WeightUpdates:
                 time.perf_counter() - timing.started,
                 {
                     "begin": timing.begin_seconds,
-                    "load": timing.load_seconds,
+                    "load": timing.loads.seconds,
                     "commit": commit_seconds,
                 },
                 timing.nbytes,
@@ -195,6 +213,7 @@ class WeightUpdates:
         """End ``txn`` without a new version: the backend's abort step, then the bookkeeping,
         which happens even when that step fails. ``strict``: the step's error propagates
         (otherwise it is logged: an error is already on its way to the caller)."""
+        self._timing.loads.wait_idle()  # a load still running ends before the update does
         written = txn.loads > 0 and bool(txn.received - self.staged)  # served weights touched
         try:
             self.steps.abort(written)
@@ -223,15 +242,23 @@ class WeightUpdates:
             self._changed.notify_all()
             return self.announced
 
-    def _timed_write(self, incoming: TensorSpecs, write: Callable[[], None]) -> None:
-        started = time.perf_counter()
+    @staticmethod
+    def _submit(
+        timing: _UpdateTiming,
+        incoming: TensorSpecs,
+        write: Callable[[], LoadWait | None],
+    ) -> LoadWait | None:
+        """Run ``write``; its wait when it handed the load over (still running) instead."""
+        timing.loads.started()
         try:
-            write()
-        finally:
-            self._timing.load_seconds += time.perf_counter() - started
-        self._timing.nbytes += sum(
-            shape.numel() * dtype.itemsize for shape, dtype in incoming.values()
-        )
+            wait = write()
+        except BaseException:
+            timing.loads.finished()
+            raise
+        timing.nbytes += sum(shape.numel() * dtype.itemsize for shape, dtype in incoming.values())
+        if wait is None:
+            timing.loads.finished()
+        return wait
 
     def admit(self, max_staleness: int | None, rows: int = 1) -> None:
         """Return once rows may start under a call's ``max_weight_staleness``: at once when the
@@ -294,5 +321,13 @@ class _UpdateTiming:
 
     started: float = field(default_factory=time.perf_counter)
     begin_seconds: float = 0.0
-    load_seconds: float = 0.0
+    loads: LoadsInFlight = field(default_factory=LoadsInFlight)
     nbytes: int = 0
+
+
+def _finish(loads: LoadsInFlight, wait: LoadWait) -> None:
+    """Wait for a load that was handed over; it no longer runs once this returns or raises."""
+    try:
+        wait()
+    finally:
+        loads.finished()
