@@ -34,6 +34,7 @@ from gen_interface.text import HfTokenizerCodec, TextCodec
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
 from gen_interface.weights.consumer import TensorSpecs
 from gen_interface.weights.handles import WeightHandles
+from gen_interface.weights.updates import LoadWait
 
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
@@ -245,11 +246,11 @@ class VllmGeneration(GenerationBackend):
             score=True,
             stop_strings=self.has_tokenizer,
             token_streaming=True,
-            # On CPU a load (vLLM repacking the layers) needs every core and pays a fixed cost
-            # per call: one large bucket at a time, filled while nothing loads. On a GPU the
-            # fill is a device copy that overlaps the load.
+            # Two buckets: one is filled while the other loads. On CPU a load (vLLM repacking
+            # the layers) keeps every core busy, so the fill hides only partly behind it, and
+            # each load pays a fixed cost: larger buckets. On a GPU the fill is a device copy.
             refit_bucket_bytes=(64 if on_gpu else 128) * 2**20,
-            refit_buffers=2 if on_gpu else 1,
+            refit_buffers=2,
             batch_invariant=on_gpu,
             routed_experts=bool(self.config["vllm_cfg"]["enforce_eager"]) or on_gpu,
             notes=tuple(notes),
@@ -407,11 +408,12 @@ class VllmGeneration(GenerationBackend):
     def _begin_update(self, version: int, in_flight: InFlight) -> None:
         self._updates.begin(version, in_flight)
 
-    def _load_handles(self, handles: Mapping[str, Any]) -> None:
-        self._updates.load(LoadInfo(handles=cast(WeightHandles, handles)))
+    def _load_handles(self, handles: Mapping[str, Any]) -> LoadWait:
+        return self._updates.load(LoadInfo(handles=cast(WeightHandles, handles)))
 
     def _load_broadcast(self, bucket: Mapping[str, Any]) -> None:
-        self._updates.load(LoadInfo(broadcast=cast(BroadcastBucket, bucket)))
+        # the trainer sends while the workers receive: this load ends when the broadcast does
+        self._updates.load(LoadInfo(broadcast=cast(BroadcastBucket, bucket)))()
 
     def _commit_update(self, version: int) -> None:
         self._updates.commit(version)

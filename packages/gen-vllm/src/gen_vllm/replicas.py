@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -56,6 +56,8 @@ class ReplicaSet:
     #: A call outlived its timeout: some worker may be stuck, so ``shutdown`` kills at once
     #: instead of waiting for workers to stop their engines.
     stuck: bool = False
+    #: Loads handed to the workers in the update in progress: the next one's place in order.
+    loads_sent: int = 0
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -188,14 +190,19 @@ class ReplicaSet:
     def start_weight_update(self, in_flight: InFlight) -> list[GenerationError | None]:
         """Open vLLM's weight-update transaction on every replica; each one's outcome.
         ``in_flight``: running rows pause (``"keep"``) or end now, cut short (``"abort"``)."""
+        self.loads_sent = 0
         refs = [a.start_weight_update.remote(in_flight) for a in self.actors]
         return self._outcomes(refs, self.timeouts.update_s, "starting a weight update")
 
-    def load_weights(self, info: LoadInfo) -> list[GenerationError | None]:
-        """One load on every replica; each one's outcome (errors returned, not raised, so the
-        caller can tell a load refused everywhere from replicas that now differ)."""
-        refs = [a.load_weights.remote(info) for a in self.actors]
-        return self._outcomes(refs, self.timeouts.update_s, "a weight load")
+    def load_weights(self, info: LoadInfo) -> Callable[[], list[GenerationError | None]]:
+        """Hand one load to every replica, which runs it after the loads handed over before it
+        in this update; returns the wait for each replica's outcome (errors returned, not
+        raised, so the caller can tell a load refused everywhere from replicas that now
+        differ). Loads handed over together queue on the workers: none waits for a call."""
+        order = self.loads_sent
+        refs = [a.load_weights.remote(info, order) for a in self.actors]
+        self.loads_sent += 1
+        return lambda: self._outcomes(refs, self.timeouts.update_s, "a weight load")
 
     def finish_weight_update(self) -> list[list[UpdateReport] | GenerationError]:
         """Close the transaction on every replica (engines stay paused); each one's rank

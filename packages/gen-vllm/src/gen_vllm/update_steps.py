@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from gen_interface import GenerationError, InFlight, MixedWeightsError, WeightUpdateError
+from gen_interface.weights.updates import LoadWait
 
 from gen_vllm.receive import LoadInfo
 from gen_vllm.refit import verify_update
@@ -41,13 +42,20 @@ class ReplicaUpdateSteps:
             self.end(None, cut=False)  # the replicas that started resume as they were
             raise failed[0]
 
-    def load(self, info: LoadInfo) -> None:
-        failed = _errors(self.replicas.load_weights(info))
-        if failed:
-            _raise_if_lost(failed)
-            raise WeightUpdateError(
-                f"a weight load failed on {len(failed)} replica(s): {failed[0]}"
-            )
+    def load(self, info: LoadInfo) -> LoadWait:
+        """Hand one load to every replica (each runs its loads in the order handed over);
+        returns the wait for it, which raises if it failed anywhere."""
+        outcomes = self.replicas.load_weights(info)
+
+        def wait() -> None:
+            failed = _errors(outcomes())
+            if failed:
+                _raise_if_lost(failed)
+                raise WeightUpdateError(
+                    f"a weight load failed on {len(failed)} replica(s): {failed[0]}"
+                )
+
+        return wait
 
     def commit(self, version: int) -> None:
         """Close vLLM's transaction everywhere, verify every replica's report while the engines

@@ -25,6 +25,7 @@ from gen_interface.weights.collective import CollectiveEndpoint
 from gen_vllm.adapter import ADAPTER_ID, ADAPTER_NAME
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
+from gen_vllm.load_order import LoadOrder
 from gen_vllm.messages import (
     RowOutput,
     RowRequest,
@@ -73,6 +74,7 @@ class VllmGenerationWorker:
             os.sched_setaffinity(0, cpu_ids)
             os.environ["OMP_NUM_THREADS"] = str(len(cpu_ids))
         self._updating = False  # vLLM's weight-update transaction is open
+        self._load_order = LoadOrder()
         self._adapter: tuple[dict[str, Any], str] | None = None  # (lora settings, its directory)
         self._info: WorkerInfo | None = None  # set once the engine is up
         self._start_error = ""
@@ -214,11 +216,17 @@ class VllmGenerationWorker:
                 raise
             self._updating = True
 
+        await self._load_order.new_update()
         await self._loop.call(start)
 
-    async def load_weights(self, info: LoadInfo) -> None:
-        """One load (shared buckets or a broadcast bucket) into every rank of this engine."""
-        await self._loop.call(lambda: self._loop.engine.collective_rpc("update_weights", (info,)))
+    async def load_weights(self, info: LoadInfo, order: int | None = None) -> None:
+        """One load (shared buckets or a broadcast bucket) into every rank of this engine,
+        queued after the loads before it in this update (``order``: see ``load_order.py``)."""
+        async with self._load_order.turn(order):
+            queued = self._loop.submit(
+                lambda: self._loop.engine.collective_rpc("update_weights", (info,))
+            )
+        await asyncio.wrap_future(queued)
 
     async def finish_weight_update(self, compared: bool = True) -> list[UpdateReport]:
         """Close vLLM's transaction and return each rank's report. The engine stays paused
