@@ -23,7 +23,9 @@ before the first of them, so the row draws as if the dropped forward had never r
 
 A processor that raises stops SGLang's scheduler, so a failure here is reported in the row
 instead (an ``["error", message]`` entry) and the row goes on unchanged; the client ends the
-call with the message.
+call with the message. A row whose settings cannot be read fails alone: rows of other calls
+batched with it (a failed call's rows may run on until the server notices) are sampled as
+always.
 
 A row's ``custom_params``: ``{"seed": int, "temperature": float, "top_k": int | None,
 "top_p": float, "min_p": float, "top_logprobs": int, "processed": bool}``; SGLang adds
@@ -52,16 +54,31 @@ class RowSampler(CustomLogitProcessor):
     ) -> torch.Tensor:
         params = custom_param_list or []
         try:
-            # A request whose prompt is still being prefilled in chunks gets no token from this
-            # forward: its generator must not move.
-            live = [i for i, p in enumerate(params) if _takes_a_token(p["__req__"])]
-            return _choose(logits, [params[i] for i in live], live) if live else logits
+            live: list[int] = []
+            rows: list[RowSampling] = []
+            for i, p in enumerate(params):
+                # A request whose prompt is still being prefilled in chunks gets no token from
+                # this forward: its generator must not move.
+                if not _takes_a_token(p["__req__"]):
+                    continue
+                try:
+                    rows.append(_row(p))
+                except Exception:  # settings it cannot read fail this row, not its batch
+                    _report(p, traceback.format_exc(limit=4))
+                    continue
+                live.append(i)
+            return _choose(logits, [params[i] for i in live], rows, live) if live else logits
         except Exception:  # a raise here would stop SGLang's scheduler (see the docstring)
             message = traceback.format_exc(limit=4)
             for p in params:
-                with contextlib.suppress(Exception):
-                    _draws(p["__req__"]).choices.append(["error", message])
+                _report(p, message)
             return logits
+
+
+def _report(p: dict[str, Any], message: str) -> None:
+    """Fail the row in its stream (``["error", message]``); it goes on unchanged meanwhile."""
+    with contextlib.suppress(Exception):
+        _draws(p["__req__"]).choices.append(["error", message])
 
 
 @dataclass
@@ -76,9 +93,10 @@ class _Draws:
     retractions: int = 0
 
 
-def _choose(logits: torch.Tensor, params: list[dict[str, Any]], live: list[int]) -> torch.Tensor:
+def _choose(
+    logits: torch.Tensor, params: list[dict[str, Any]], rows: list[RowSampling], live: list[int]
+) -> torch.Tensor:
     reqs = [p["__req__"] for p in params]
-    rows = [_row(p) for p in params]
     draws = [_draws(req, row.seed) for req, row in zip(reqs, rows, strict=True)]
     for req, kept in zip(reqs, draws, strict=True):
         _forget_dropped(req, kept)
