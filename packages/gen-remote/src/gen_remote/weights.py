@@ -21,6 +21,7 @@ from gen_interface import InFlight, WeightUpdateError
 from gen_interface.weights import describe_weight_handles, handles_to_json
 from gen_interface.weights.consumer import release_shared_weights
 from gen_interface.weights.handles import dtype_name
+from gen_interface.weights.loads_in_flight import LoadsInFlight
 from gen_interface.weights.transaction import next_version
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class _OpenUpdate:
 
     started: float = field(default_factory=time.perf_counter)
     begin_seconds: float = 0.0
-    load_seconds: float = 0.0
+    loads: LoadsInFlight = field(default_factory=LoadsInFlight)  # a Refitter runs several
     nbytes: int = 0
 
 
@@ -127,7 +128,7 @@ class RemoteWeights:
                 done - opened.started,
                 {
                     "begin": opened.begin_seconds,
-                    "load": opened.load_seconds,
+                    "load": opened.loads.seconds,
                     "commit": done - committing,
                 },
                 opened.nbytes,
@@ -160,14 +161,17 @@ class RemoteWeights:
     def _load(self, update_info: dict[str, Any], nbytes: int) -> None:
         """One ``/update_weights``: a load of the open update, or an update of its own."""
         opened = self._open_update
-        started = time.perf_counter()
-        with self._lifecycle.updating_weights():
-            self._wire.call("POST", "/update_weights", {"update_info": update_info})
-        seconds = time.perf_counter() - started
+        loads = opened.loads if opened is not None else LoadsInFlight()
+        loads.started()
+        try:
+            with self._lifecycle.updating_weights():
+                self._wire.call("POST", "/update_weights", {"update_info": update_info})
+        finally:
+            loads.finished()
         if opened is not None:
-            opened.load_seconds += seconds
             opened.nbytes += nbytes
             return
+        seconds = loads.seconds
         version = self.weight_version  # the server committed it as an update of its own
         self._announced = max(self._announced, version)
         self._metrics.refit_committed(seconds, {"load": seconds}, nbytes)
