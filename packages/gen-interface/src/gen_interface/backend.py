@@ -2,8 +2,8 @@
 
 The base owns the public methods of ``GenerationInterface``: input validation, the per-row
 sampling of a call (``resolve_sampling``), the staleness bound, the life cycle, the output
-layout, ``with_sampling`` front ends, and the weight-update transaction with its checks. A
-backend subclasses it and implements the steps that make it different:
+layout, ``with_sampling`` front ends, and the weight-update transaction with its checks
+(``backend_weights.py``). A backend subclasses it and implements the steps that make it different:
 
 ========================  =======================================================================
 step                      what it does
@@ -35,16 +35,13 @@ from typing import Any, ClassVar, Self, cast
 
 import torch
 
+from gen_interface.backend_weights import WeightUpdateMethods
 from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.config import validate_generation_config, with_per_call_overrides
-from gen_interface.errors import (
-    GenerationConfigError,
-    GenerationInputError,
-    WeightUpdateError,
-)
+from gen_interface.errors import GenerationConfigError, GenerationInputError
 from gen_interface.events import RowEvent
 from gen_interface.inputs import normalize_generation_input
-from gen_interface.interface import GenerationInterface, InFlight
+from gen_interface.interface import GenerationInterface
 from gen_interface.lifecycle import Lifecycle, LifecycleView, Resource
 from gen_interface.loop_calls import LoopCalls
 from gen_interface.metrics import CallCount, GenerationMetrics
@@ -65,21 +62,14 @@ from gen_interface.specs import (
 )
 from gen_interface.stepping import RowControl
 from gen_interface.threaded_rows import rows_from_thread
-from gen_interface.weights.consumer import (
-    TensorSpecs,
-    check_update_is_complete,
-    check_weights_match,
-    release_shared_weights,
-    state_dict_specs,
-)
-from gen_interface.weights.handles import describe_slots
+from gen_interface.weights.consumer import TensorSpecs
 from gen_interface.weights.shm import sweep_orphans
-from gen_interface.weights.updates import LoadWait, WeightUpdates, WeightUpdateSteps
+from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
 
 __all__ = ["GenerationBackend", "GenerationCall"]
 
 
-class GenerationBackend(LoopCalls, GenerationInterface):
+class GenerationBackend(WeightUpdateMethods, LoopCalls, GenerationInterface):
     """The shared body of a backend; subclasses implement the steps listed in the module doc.
 
     A subclass completes its config (``complete_config``), builds its model or workers, then
@@ -332,70 +322,6 @@ class GenerationBackend(LoopCalls, GenerationInterface):
         Idempotent."""
         self._lifecycle.shutdown()
 
-    # ---- weight updates ------------------------------------------------------------------
-
-    @property
-    def weight_version(self) -> int:
-        return self._weights.version if self._weights is not None else 0
-
-    def start_weight_update(
-        self, version: int | None = None, *, in_flight: InFlight = "keep"
-    ) -> int:
-        weights = self._weight_updates("start_weight_update")
-        with self._lifecycle.breaks_on_fatal():
-            return weights.start(version, in_flight)
-
-    def announce_weight_version(self, version: int) -> None:
-        self._weight_updates("announce_weight_version").announce(version)
-
-    def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
-        weights = self._weight_updates("update_weights_from_ipc_handles")
-        try:
-            with self._lifecycle.breaks_on_fatal():
-                weights.load(handles)
-        finally:
-            release_shared_weights(handles)
-
-    def update_weights_from_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        weights = self._weight_updates("update_weights_from_state_dict", "_write_state_dict")
-        with self._lifecycle.breaks_on_fatal():
-            weights.load_described(
-                state_dict_specs(state_dict), lambda: self._write_state_dict(state_dict)
-            )
-
-    def update_weights_from_collective(self, bucket: Mapping[str, Any]) -> None:
-        weights = self._weight_updates("update_weights_from_collective", "_load_broadcast")
-        with self._lifecycle.breaks_on_fatal():
-            weights.load_described(
-                describe_slots(bucket["tensors"]), lambda: self._load_broadcast(bucket)
-            )
-
-    def commit_weight_update(self, version: int | None = None) -> int:
-        weights = self._weight_updates("commit_weight_update")
-        with self._lifecycle.breaks_on_fatal():
-            return weights.commit(version)
-
-    def abort_weight_update(self) -> None:
-        weights = self._weight_updates("abort_weight_update")
-        with self._lifecycle.breaks_on_fatal():
-            weights.abort()
-
-    def prepare_refit_info(
-        self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
-    ) -> None:
-        """Check that updates described by ``state_dict_info`` fit the model: every name known,
-        shapes equal, dtypes castable, and every weight of the model present."""
-        weights = self._weight_updates("prepare_refit_info")
-        check_weights_match(state_dict_info, weights.model)
-        check_update_is_complete(state_dict_info, weights.model, weights.optional)
-
-    def _weight_updates(self, method: str, step: str = "_load_handles") -> WeightUpdates:
-        """The transaction state, once the backend is known to take updates this way."""
-        if self._weights is None or not self._implements(step):
-            raise NotImplementedError(f"{type(self).__name__} does not support {method}")
-        self._lifecycle.check_open(WeightUpdateError)
-        return self._weights
-
     @contextlib.contextmanager
     def _running(self, call: GenerationCall) -> Iterator[CallCount]:
         """A call's rows run: counted, in the life cycle's generating state, fatal errors
@@ -464,31 +390,6 @@ class GenerationBackend(LoopCalls, GenerationInterface):
 
     def _close(self) -> None:
         """Free everything, once (``lifecycle.close_all`` runs every step even if one fails)."""
-
-    def _load_handles(self, handles: Mapping[str, Any]) -> LoadWait | None:
-        """Write one load of shared weights (already checked against the model) everywhere,
-        or queue it on workers that run loads in order and return its wait (see
-        ``WeightUpdateSteps.load``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support weight updates")
-
-    def _write_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Write one load from an in-process state dict (already checked)."""
-        raise NotImplementedError
-
-    def _load_broadcast(self, bucket: Mapping[str, Any]) -> None:
-        """Receive one broadcast bucket on every worker and write it (already checked)."""
-        raise NotImplementedError
-
-    def _begin_update(self, version: int, in_flight: InFlight) -> None:
-        """Prepare for loads: running rows pause (``"keep"``) or end cut short (``"abort"``)."""
-
-    def _commit_update(self, version: int) -> None:
-        """Every weight arrived: verify, label the weights ``version``, let paused rows go on."""
-
-    def _abort_update(self, written: bool) -> None:
-        """The update is dropped. ``written``: some loads were written, so rows paused by
-        ``_begin_update`` must not go on (their next tokens would come from part-old, part-new
-        weights): end them cut short. Otherwise they resume as if nothing happened."""
 
     # ---- helpers -------------------------------------------------------------------------
 
