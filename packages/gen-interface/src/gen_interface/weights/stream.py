@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -208,8 +208,10 @@ class Refitter:
         backend = self.backend
         # A load per bucket may be in flight: a backend that queues loads (gen-vllm) starts
         # each one as the one before ends, with no call in between.
-        with ThreadPoolExecutor(max(1, self.buffers)) as loader:
-            backend.start_weight_update(version, in_flight=in_flight)
+        with (
+            ThreadPoolExecutor(max(1, self.buffers)) as loader,
+            _transaction(backend, version, in_flight),
+        ):
             loading: list[Future[None]] = []  # every load, in order
             filled: list[Future[None]] = []  # loads of ring buckets, in order
             try:
@@ -231,21 +233,13 @@ class Refitter:
                     if not future.cancel():
                         with contextlib.suppress(Exception):
                             future.exception()
-                with contextlib.suppress(Exception):  # keep the original error
-                    backend.abort_weight_update()
-                raise
+                raise  # the transaction is aborted once no load runs
 
     def _hand_over(self, tensors: NamedTensors, version: int | None, in_flight: InFlight) -> int:
         """The refit of a backend in this process: the tensors themselves, in one load."""
-        backend = self.backend
-        backend.start_weight_update(version, in_flight=in_flight)
-        try:
-            backend.update_weights_from_state_dict(dict(tensors))
-            return backend.commit_weight_update()
-        except BaseException:
-            with contextlib.suppress(Exception):  # keep the original error
-                backend.abort_weight_update()
-            raise
+        with _transaction(self.backend, version, in_flight):
+            self.backend.update_weights_from_state_dict(dict(tensors))
+            return self.backend.commit_weight_update()
 
     def _broadcast(self, tensors: NamedTensors, version: int | None, in_flight: InFlight) -> int:
         """The refit through the collective path: the group is formed on the first refit."""
@@ -296,6 +290,21 @@ def refit(
         backend, bucket_bytes=bucket_bytes, devices=devices, buffers=buffers, hand_over=hand_over
     ) as once:
         return once.refit(state_dict, version=version, in_flight=in_flight)
+
+
+@contextlib.contextmanager
+def _transaction(
+    backend: GenerationInterface, version: int | None, in_flight: InFlight
+) -> Iterator[None]:
+    """Open a weight update on ``backend``; abort it if the body raises (keeping that error).
+    The body commits."""
+    backend.start_weight_update(version, in_flight=in_flight)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # keep the original error
+            backend.abort_weight_update()
+        raise
 
 
 def _free(allocation: Allocation) -> None:
