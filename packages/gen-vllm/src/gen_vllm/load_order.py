@@ -34,17 +34,13 @@ class LoadOrder:
             changed.notify_all()
 
     @contextlib.asynccontextmanager
-    async def turn(self, order: int | None) -> AsyncIterator[None]:
+    async def turn(self, order: int) -> AsyncIterator[None]:
         """Wait until the loads before ``order`` were let through; the body queues this one.
-        None: no place in an order (the load goes at once).
 
         Raises:
             WeightUpdateError: the update ended while this load waited (one before it never
                 came); nothing of it was written.
         """
-        if order is None:
-            yield
-            return
         update = self._update
         changed = self._condition()
         async with changed:

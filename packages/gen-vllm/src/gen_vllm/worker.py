@@ -219,7 +219,7 @@ class VllmGenerationWorker:
         await self._load_order.new_update()
         await self._loop.call(start)
 
-    async def load_weights(self, info: LoadInfo, order: int | None = None) -> None:
+    async def load_weights(self, info: LoadInfo, order: int) -> None:
         """One load (shared buckets or a broadcast bucket) into every rank of this engine,
         queued after the loads before it in this update (``order``: see ``load_order.py``)."""
         async with self._load_order.turn(order):
