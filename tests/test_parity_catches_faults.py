@@ -11,7 +11,7 @@ import contextlib
 import gen_testkit.ngram.backend as ngram_backend
 import pytest
 import torch
-from gen_interface.sampling import TokenChoice, processed_log_probs
+from gen_backend_kit.sampling import TokenChoice, processed_log_probs
 from gen_testkit.ngram import NgramGeneration
 from gen_testkit.parity import (
     NgramLogitsOracle,

@@ -54,9 +54,9 @@ from typing import Any
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 import torch
+from gen_backend_kit.lora import adapter_specs
+from gen_backend_kit.metrics import REFIT_PHASES
 from gen_interface import configure_generation_config
-from gen_interface.lora import adapter_specs
-from gen_interface.metrics import REFIT_PHASES
 from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors, share_weights
 from gen_testkit.models import build_tiny_model
 from refit_ceiling import ceiling_paths, verified_reload_floor

@@ -7,11 +7,11 @@ import pytest
 import torch
 from gen_hf.exact import (
     ATTENTION_NAME,
+    batch_invariance_problems,
     batch_invariant,
     make_batch_invariant,
     sequence_logprobs,
 )
-from gen_interface.exact import batch_invariance_problems
 from transformers import AutoModelForCausalLM
 
 

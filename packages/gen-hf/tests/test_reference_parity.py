@@ -17,9 +17,9 @@ from typing import Any
 import gen_hf.decode
 import pytest
 import torch
+from gen_backend_kit.sampling import TokenChoice, select_next_tokens
 from gen_hf import HfConfig, HfGeneration
 from gen_interface import BatchedDataDict
-from gen_interface.sampling import TokenChoice, select_next_tokens
 from gen_testkit.models import TinyModel
 from gen_testkit.strategies import pad_prompts
 from transformers import PreTrainedModel

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gen_backend_kit.weights.consumer import map_bucket, write_shared_weights
 from gen_interface import WeightUpdateError
 from gen_interface.weights import bytes_checksum, combine_checksums, share_weights
 from gen_interface.weights.chunked import (
@@ -13,7 +14,6 @@ from gen_interface.weights.chunked import (
     copy_with_checksums,
     verified_copy,
 )
-from gen_interface.weights.consumer import map_bucket, write_shared_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

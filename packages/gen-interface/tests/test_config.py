@@ -1,6 +1,7 @@
 from typing import TypedDict
 
 import pytest
+from gen_backend_kit.settings import check_int_setting, complete_backend_settings
 from gen_interface import (
     GenerationConfig,
     GenerationConfigError,
@@ -8,7 +9,6 @@ from gen_interface import (
     validate_generation_config,
     with_per_call_overrides,
 )
-from gen_interface.config import check_int_setting, complete_backend_settings
 from gen_testkit.strategies import generation_configs, invalid_config_fields
 from hypothesis import given
 

@@ -7,8 +7,9 @@ import os
 
 import pytest
 import torch
+from gen_backend_kit.weights import read_shared_weights
 from gen_interface import WeightUpdateError
-from gen_interface.weights import read_shared_weights, share_parameters
+from gen_interface.weights import share_parameters
 from gen_interface.weights.in_place import in_place_handles, split_in_place
 from gen_interface.weights.producer import named_tensors
 

@@ -1,5 +1,5 @@
 """Shared-memory segments never outlive their owner: a trainer that exits without closing its
-refitter leaves none, and one killed mid-refit leaves none once the next backend starts.
+refitter leaves none, and one killed mid-refit leaves none once the next process makes a segment.
 
 The trainers are real processes refitting the testkit's n-gram backend (in their own process,
 as gen-hf does) through ``Refitter``; segments are found in the shared-memory directory by the
@@ -67,7 +67,7 @@ def test_a_trainer_that_exits_without_closing_its_refitter_leaves_no_segment():
     assert _segments_of(trainer.pid) == []
 
 
-def test_a_trainer_killed_mid_refit_leaves_no_segment_once_a_backend_starts():
+def test_a_trainer_killed_mid_refit_leaves_no_segment_once_another_process_makes_one():
     trainer = _trainer("hang")
     try:
         assert trainer.stdout is not None
@@ -80,12 +80,29 @@ def test_a_trainer_killed_mid_refit_leaves_no_segment_once_a_backend_starts():
     finally:
         trainer.kill()
         trainer.wait(30)
-    config = conformance_config(backend="ngram", model_name="ngram", vocab_size=64)
-    backend = NgramGeneration(dict(config, ngram={"vocab_size": 64, "order": 2}))
+    # The next process to make a segment (a trainer's refit, a backend's staging) sweeps once.
+    make_one = (
+        "from gen_interface.weights.shm import create_segment, unlink_segment; "
+        "unlink_segment(create_segment(1)[0])"
+    )
+    subprocess.run([sys.executable, "-c", make_one], check=True, timeout=120)
+    assert _segments_of(trainer.pid) == []
+
+
+def test_starting_a_backend_sweeps_nothing():
+    """A constructor changes nothing beyond its object: only making a segment sweeps."""
+    namespace = owner_tag().split("-")[0]
+    orphan = (
+        segment_dir() / f"{SEGMENT_PREFIX}{namespace}-{_a_pid_not_running()}-1-{uuid.uuid4().hex}"
+    )
+    orphan.write_bytes(b"x")
     try:
-        assert _segments_of(trainer.pid) == []
+        config = conformance_config(backend="ngram", model_name="ngram", vocab_size=64)
+        NgramGeneration(dict(config, ngram={"vocab_size": 64, "order": 2})).shutdown()
+        assert orphan.exists()
+        assert str(orphan) in sweep_orphans(), "the orphan is one a sweep removes"
     finally:
-        backend.shutdown()
+        orphan.unlink(missing_ok=True)
 
 
 def test_the_sweep_removes_only_segments_whose_owner_is_gone(tmp_path):

@@ -7,15 +7,17 @@ import sys
 
 import pytest
 import torch
-from gen_interface import WeightUpdateError
-from gen_interface.weights import (
-    bytes_checksum,
+from gen_backend_kit.weights import (
     check_weights_match,
-    describe_weight_handles,
     handles_for_device,
     merge_weight_handles,
     read_shared_weights,
     release_shared_weights,
+)
+from gen_interface import WeightUpdateError
+from gen_interface.weights import (
+    bytes_checksum,
+    describe_weight_handles,
     share_weights,
     weights_checksum,
 )
@@ -26,7 +28,7 @@ from hypothesis import strategies as st
 # A separate interpreter reads the handles, releases them when asked and pickles back what it read.
 _READER = """
 import pickle, sys
-from gen_interface.weights import read_shared_weights, release_shared_weights
+from gen_backend_kit.weights import read_shared_weights, release_shared_weights
 handles, release = pickle.load(sys.stdin.buffer)
 tensors = [(name, t.cpu().clone()) for name, t in read_shared_weights(handles)]
 if release:

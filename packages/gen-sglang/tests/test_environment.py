@@ -14,7 +14,7 @@ def test_the_managed_environment_has_sglang_and_the_support_directory_its_import
     assert len(paths) == 2 and paths[1].endswith("cpu_shims")
     check = (
         "import importlib.metadata as m, sgl_kernel, torchvision.transforms as T\n"
-        "from gen_interface.sampling import processed_log_probs\n"
+        "from gen_backend_kit.sampling import processed_log_probs\n"
         "import gen_sglang_processor\n"
         "assert callable(sgl_kernel.silu_and_mul)\n"
         "assert callable(sgl_kernel.copy_all_layer_kv_cache_cpu)\n"

@@ -1,5 +1,5 @@
 import torch
-from gen_interface import RowResult, build_generation_output, normalize_generation_input
+from gen_backend_kit import RowResult, build_generation_output, normalize_generation_input
 from gen_testkit.compare import compare_generations
 from gen_testkit.strategies import pad_prompts
 

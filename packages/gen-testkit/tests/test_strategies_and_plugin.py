@@ -1,4 +1,4 @@
-from gen_interface import normalize_generation_input
+from gen_backend_kit import normalize_generation_input
 from gen_testkit.strategies import generation_batches
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -12,8 +12,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
+from gen_backend_kit.weights import read_shared_weights
 from gen_interface import GenerationError, MixedWeightsError
-from gen_interface.weights import read_shared_weights
 from gen_testkit.ngram import NgramGeneration
 
 

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gen_interface.row_sampling import RowSampling
-from gen_interface.sampling import select_next_tokens
-from gen_interface.scoring import scored_row
+from gen_backend_kit.row_sampling import RowSampling
+from gen_backend_kit.sampling import select_next_tokens
+from gen_backend_kit.scoring import scored_row
 from gen_interface.weights.collective import CollectiveEndpoint, join_weight_group
 from gen_testkit.routing import reference_routing
 from gen_vllm.engine import EngineLimits, StepOutput

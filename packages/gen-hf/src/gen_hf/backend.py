@@ -15,22 +15,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
+from gen_backend_kit import GenerationCall, RowResult
+from gen_backend_kit.decoding import StopRules
+from gen_backend_kit.in_process import InProcessBackend
+from gen_backend_kit.lifecycle import DUMMY_WEIGHTS, Resource, close_all
+from gen_backend_kit.sampling import row_generators
+from gen_backend_kit.scoring import ScoreBatch, ScoredRow
+from gen_backend_kit.stepping import RowControl
+from gen_backend_kit.text import HfTokenizerCodec, TextCodec
 from gen_interface import (
     BackendCapabilities,
     BackendUnavailableError,
-    GenerationCall,
     GenerationConfigError,
     GenerationError,
-    RowResult,
     WeightTransport,
 )
-from gen_interface.decoding import StopRules
-from gen_interface.in_process import InProcessBackend
-from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
-from gen_interface.sampling import row_generators
-from gen_interface.scoring import ScoreBatch, ScoredRow
-from gen_interface.stepping import RowControl
-from gen_interface.text import HfTokenizerCodec, TextCodec
 
 from gen_hf.config import HfConfig, complete_hf_config
 from gen_hf.decode import DecodeCall, decode_batch
@@ -53,7 +52,7 @@ __all__ = ["HfGeneration"]
 class HfGeneration(InProcessBackend):
     """Any causal LM that ``AutoModelForCausalLM`` loads, on CUDA when present, else the CPU.
 
-    Lifecycle (``gen_interface.lifecycle``): built ready to generate. ``finish_generation()``
+    Lifecycle (``gen_backend_kit.lifecycle``): built ready to generate. ``finish_generation()``
     drops what generation holds (the KV cache lives only inside a call; on CUDA with
     ``colocated.enabled`` the weights also move to the CPU, i.e. they sleep); ``generate`` then
     raises ``GenerationError`` until ``prepare_for_generation()``. A weight update while the

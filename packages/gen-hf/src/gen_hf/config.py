@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, TypedDict, cast
 
+from gen_backend_kit.settings import check_int_setting, complete_backend_settings
 from gen_interface import GenerationConfig, GenerationConfigError
-from gen_interface.config import check_int_setting, complete_backend_settings
 
 __all__ = [
     "HF_CFG_DEFAULTS",

@@ -3,7 +3,7 @@
 Prompts are left-padded so every row's next token sits in the last column; ``position_ids``
 count each row's real tokens, so padding never shifts a row's positions and the padding layout
 of the input cannot change its result. Each step picks tokens with the reference decoding step
-(``gen_interface.sampling.select_next_tokens``, each row with its own ``RowSampling``) and stops
+(``gen_backend_kit.sampling.select_next_tokens``, each row with its own ``RowSampling``) and stops
 rows with the call's ``StopRules``. Every forward pass is one step of the call's ``StepGate``.
 Rows that finish are dropped from the batch and the cache, and so are the leading cache columns
 that only finished rows needed, so they stop costing compute.
@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from gen_interface import BatchSampling, GenerationError, RowResult
-from gen_interface.decoding import StopRules
-from gen_interface.sampling import select_next_tokens
-from gen_interface.stepping import GeneratedRows, RowControl, StepGate
+from gen_backend_kit import BatchSampling, RowResult
+from gen_backend_kit.decoding import StopRules
+from gen_backend_kit.sampling import select_next_tokens
+from gen_backend_kit.stepping import GeneratedRows, RowControl, StepGate
+from gen_interface import GenerationError
 from transformers import DynamicCache
 
 from gen_hf.cache import drop_leading_columns, new_group_cache

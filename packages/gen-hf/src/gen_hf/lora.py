@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gen_interface.lora import PEFT_PREFIX, lora_settings
+from gen_backend_kit.lora import PEFT_PREFIX, lora_settings
 
 __all__ = ["LoraAdapter"]
 

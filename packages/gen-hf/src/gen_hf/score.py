@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from gen_interface.scoring import ScoreBatch, ScoredRow, scored_row
+from gen_backend_kit.scoring import ScoreBatch, ScoredRow, scored_row
 
 from gen_hf.decode import forward_errors
 from gen_hf.loading import LoadedModel

@@ -1,11 +1,16 @@
 """gen-interface: the generation interface an RL training loop pins.
 
-Importing this package imports torch and nothing heavier: no ray, vllm or transformers.
+What a training loop uses and nothing more: the abstract ``GenerationInterface`` and its
+capabilities, the config and batch types, ``BatchedDataDict``, config validation, backend
+discovery by entry point, the errors, the per-row seeds, and (in ``gen_interface.weights``) the
+trainer's side of weight sharing: ``Refitter``, ``WeightBroadcaster`` and the handle format.
+
+Importing it imports torch and nothing heavier: no ray, vllm or transformers, and no backend or
+backend kit (``gen-backend-kit`` holds what only backend authors use).
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from gen_interface.backend import GenerationBackend, GenerationCall
 from gen_interface.batched_data_dict import BatchedDataDict
 from gen_interface.config import (
     GENERATION_CONFIG_DEFAULTS,
@@ -28,23 +33,18 @@ from gen_interface.errors import (
     WeightUpdateError,
 )
 from gen_interface.events import RowEvent
-from gen_interface.in_process import InProcessBackend
-from gen_interface.inputs import PromptBatch, normalize_generation_input
 from gen_interface.interface import (
     BackendCapabilities,
     GenerationInterface,
     InFlight,
     WeightTransport,
 )
-from gen_interface.lifecycle import Lifecycle
-from gen_interface.outputs import FinishReason, RowResult, build_generation_output
 from gen_interface.registry import (
     ENTRY_POINT_GROUP,
     available_backends,
     create_generation_backend,
     load_backend,
 )
-from gen_interface.row_sampling import BatchSampling, RowSampling, resolve_sampling
 from gen_interface.specs import (
     ColocatedConfig,
     DType,
@@ -52,6 +52,7 @@ from gen_interface.specs import (
     GenerationDatumSpec,
     GenerationOutputSpec,
     LogprobsMode,
+    ScoreOutputSpec,
     ScoreSpec,
 )
 
@@ -67,13 +68,9 @@ __all__ = [
     "BackendBrokenError",
     "BackendCapabilities",
     "BackendUnavailableError",
-    "BatchSampling",
     "BatchedDataDict",
     "ColocatedConfig",
     "DType",
-    "FinishReason",
-    "GenerationBackend",
-    "GenerationCall",
     "GenerationConfig",
     "GenerationConfigError",
     "GenerationDatumSpec",
@@ -82,14 +79,10 @@ __all__ = [
     "GenerationInterface",
     "GenerationOutputSpec",
     "InFlight",
-    "InProcessBackend",
-    "Lifecycle",
     "LogprobsMode",
     "MixedWeightsError",
-    "PromptBatch",
     "RowEvent",
-    "RowResult",
-    "RowSampling",
+    "ScoreOutputSpec",
     "ScoreSpec",
     "StaleWeightsError",
     "TokenizerLike",
@@ -98,12 +91,9 @@ __all__ = [
     "WeightsAbsentError",
     "__version__",
     "available_backends",
-    "build_generation_output",
     "configure_generation_config",
     "create_generation_backend",
     "load_backend",
-    "normalize_generation_input",
-    "resolve_sampling",
     "sampling_settings_of",
     "validate_generation_config",
     "with_per_call_overrides",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gen_interface.errors import BackendUnavailableError, GenerationConfigError
 from gen_interface.nemo_rl_keys import with_nemo_rl_keys
-from gen_interface.sampling import MAX_SEED
 from gen_interface.schema import ForeignKeys, check_config
+from gen_interface.seeds import MAX_SEED
 from gen_interface.specs import GenerationConfig
 
 if TYPE_CHECKING:
@@ -22,10 +21,7 @@ __all__ = [
     "GENERATION_CONFIG_DEFAULTS",
     "PER_CALL_SETTINGS",
     "TokenizerLike",
-    "check_int_setting",
-    "complete_backend_settings",
     "configure_generation_config",
-    "resolve_dtype",
     "sampling_settings_of",
     "validate_generation_config",
     "with_per_call_overrides",
@@ -244,40 +240,6 @@ def with_per_call_overrides(config: ConfigT, overrides: Mapping[str, Any]) -> di
     return out
 
 
-def complete_backend_settings(
-    config: Mapping[str, Any],
-    key: str,
-    defaults: Mapping[str, Any],
-    *,
-    schema: type,
-    foreign: ForeignKeys | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Validate a backend's config against its ``schema`` and fill its own ``config[key]``.
-
-    Returns:
-        ``(a deep copy of config, its settings dict with every default filled)``; the caller
-        checks the settings' values and stores them back under ``key``.
-
-    Raises:
-        GenerationConfigError: a key is unknown at any level, or a generation field is of the
-            wrong type or out of range.
-    """
-    validate_generation_config(config, schema=schema, foreign=foreign)
-    out = copy.deepcopy(dict(config))
-    return out, {**copy.deepcopy(dict(defaults)), **(out.get(key) or {})}
-
-
-def check_int_setting(
-    settings: Mapping[str, Any], prefix: str, key: str, *, minimum: int = 1
-) -> None:
-    """Refuse ``settings[key]`` unless it is an integer >= ``minimum``, naming ``prefix.key``."""
-    value = settings[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise GenerationConfigError(
-            f"{prefix}.{key} must be an integer >= {minimum}, got {value!r}"
-        )
-
-
 def sampling_settings_of(config: GenerationConfig) -> tuple[float, int | None, float]:
     """``(temperature, top_k or None, top_p)`` with "off" values normalised (top_k -1 -> None)."""
     top_k = config.get("top_k")
@@ -347,20 +309,3 @@ def _set_weight_loading(config: dict[str, Any], is_eval: bool) -> None:
             "(is_eval=False): no backend of that name is installed in this environment; leave "
             "is_eval out"
         )
-
-
-def resolve_dtype(model: str, dtype: str) -> str:
-    """``"auto"`` means the checkpoint's dtype, as in every backend of this project.
-
-    vLLM's and SGLang's own "auto" turn float32 checkpoints into 16-bit types, which would make
-    the same config give different numbers on different backends.
-    """
-    if dtype != "auto":
-        return dtype
-    config_file = Path(model) / "config.json"
-    if config_file.is_file():
-        saved = json.loads(config_file.read_text())
-        found = saved.get("dtype") or saved.get("torch_dtype")
-        if isinstance(found, str) and found in ("float32", "bfloat16", "float16"):
-            return found
-    return "auto"

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gen_interface.batched_data_dict import BatchedDataDict
-    from gen_interface.outputs import RowResult
 
 __all__ = ["RowEvent"]
 
@@ -38,24 +37,6 @@ class RowEvent:
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
     output: BatchedDataDict[Any] | None = None
-
-    @classmethod
-    def last(
-        cls, index: int, result: RowResult, sent: int, output: BatchedDataDict[Any]
-    ) -> RowEvent:
-        """The last event of row ``index``: the tokens of ``result`` past the ``sent`` already
-        streamed, and the row's one-row ``output``."""
-        new = slice(sent, None)
-        tokens = list(result.token_ids[new])
-        no_top: list[list[Any]] = [[] for _ in tokens]
-        return cls(
-            index,
-            tokens,
-            list(result.logprobs[new]),
-            [list(x) for x in result.topk_ids[new]] if result.topk_ids else no_top,
-            [list(x) for x in result.topk_logprobs[new]] if result.topk_logprobs else no_top,
-            output,
-        )
 
     @property
     def finished(self) -> bool:

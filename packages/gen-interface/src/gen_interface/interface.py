@@ -158,7 +158,7 @@ class GenerationInterface(ABC):
         Backends accept ``tags``: None (everything) or a subset of ``["weights", "kv_cache"]``,
         waking only those (NeMo RL's refit order: ``tags=["weights"]``, update,
         ``tags=["kv_cache"]``). The backend is ready once nothing is asleep. See
-        ``gen_interface.lifecycle`` for the shared state machine.
+        ``gen_backend_kit.lifecycle`` for the shared state machine.
 
         Raises:
             GenerationError: the backend is shut down or broken.
@@ -181,7 +181,7 @@ class GenerationInterface(ABC):
     @property
     def state(self) -> str:
         """``"ready"``, ``"finished"`` (after ``finish_generation``), ``"shut down"`` or
-        ``"broken"`` (see ``gen_interface.lifecycle``). Default: ``"ready"``."""
+        ``"broken"`` (see ``gen_backend_kit.lifecycle``). Default: ``"ready"``."""
         return "ready"
 
     def with_sampling(self, **overrides: Any) -> GenerationInterface:
@@ -351,7 +351,7 @@ class GenerationInterface(ABC):
         """NeMo RL's text path: ``{"prompts": [str, ...]}`` (optionally ``"stop_strings"``, a list
         per row) in, ``{"texts": [str, ...]}`` out: each prompt tokenised by the backend's
         tokenizer (special tokens added), generated as ``generate`` would, and its new tokens
-        decoded (special tokens skipped, a stop string kept). ``gen_interface.text``.
+        decoded (special tokens skipped, a stop string kept). ``gen_backend_kit.text``.
 
         Raises:
             GenerationError: the backend has no tokenizer.
@@ -364,7 +364,7 @@ class GenerationInterface(ABC):
         tokens generated, rows running now and at most, row and first-token times, tokens per
         second, refits and their seconds and bytes, the weight version, rows refused or held by
         the staleness bound, tokens per weight version behind the newest. The names are listed
-        in ``gen_interface.metrics``; the default reports nothing."""
+        in ``gen_backend_kit.metrics``; the default reports nothing."""
         return {}
 
     def clear_logger_metrics(self) -> None:

@@ -15,20 +15,13 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from gen_interface import (
-    BackendCapabilities,
-    GenerationBackend,
-    GenerationCall,
-    GenerationConfigError,
-    RowEvent,
-    RowResult,
-    StaleWeightsError,
-)
+from gen_backend_kit import GenerationBackend, GenerationCall, RowResult
+from gen_backend_kit.lifecycle import RESOURCES, Resource
+from gen_backend_kit.scoring import ScoreBatch, ScoredRow
+from gen_backend_kit.stepping import RowControl
+from gen_interface import BackendCapabilities, GenerationConfigError, RowEvent, StaleWeightsError
 from gen_interface.config import GENERATION_CONFIG_DEFAULTS
-from gen_interface.lifecycle import RESOURCES, Resource
-from gen_interface.sampling import derive_sample_seeds
-from gen_interface.scoring import ScoreBatch, ScoredRow
-from gen_interface.stepping import RowControl
+from gen_interface.seeds import derive_sample_seeds
 
 from gen_remote.config import RemoteConfig, complete_remote_config, remote_settings
 from gen_remote.rows import GENERATE, RowAssembly, generate_body, score_body, scored_row_from_answer
@@ -181,7 +174,7 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
             raise
         except BaseException as exc:
             if isinstance(exc, StaleWeightsError):  # the server refused the rows: count them
-                self._metrics.stale(refused=True, rows=call.size)
+                self.metrics.stale(refused=True, rows=call.size)
             emit((-1, exc))
         finally:
             for row in rows:

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gen_interface import GenerationError, RowEvent, RowResult, RowSampling
-from gen_interface.scoring import ScoredRow
+from gen_backend_kit import RowResult, RowSampling
+from gen_backend_kit.scoring import ScoredRow
+from gen_interface import GenerationError, RowEvent
 
 __all__ = ["RowAssembly", "generate_body", "score_body", "scored_row_from_answer"]
 

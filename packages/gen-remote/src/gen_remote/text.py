@@ -8,7 +8,7 @@ __all__ = ["RemoteTextCodec"]
 
 
 class RemoteTextCodec:
-    """Text to token ids and back on the server (``gen_interface.text.TextCodec``): special
+    """Text to token ids and back on the server (``gen_backend_kit.text.TextCodec``): special
     tokens added on the way in and, on a gen-serve server, skipped on the way out."""
 
     def __init__(self, wire: Wire, dialect: str):

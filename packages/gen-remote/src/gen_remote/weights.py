@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gen_backend_kit.weights.consumer import release_shared_weights
+from gen_backend_kit.weights.loads_in_flight import LoadsInFlight
+from gen_backend_kit.weights.transaction import next_version
 from gen_interface import InFlight, WeightUpdateError
 from gen_interface.weights import describe_weight_handles, handles_to_json
-from gen_interface.weights.consumer import release_shared_weights
 from gen_interface.weights.handles import dtype_name
-from gen_interface.weights.loads_in_flight import LoadsInFlight
-from gen_interface.weights.transaction import next_version
 
 if TYPE_CHECKING:
-    from gen_interface.lifecycle import Lifecycle, LifecycleView
-    from gen_interface.metrics import GenerationMetrics
+    from gen_backend_kit.lifecycle import Lifecycle, LifecycleView
+    from gen_backend_kit.metrics import GenerationMetrics
 
     from gen_remote.server import ServerInfo
     from gen_remote.wire import Wire
@@ -49,8 +49,14 @@ class RemoteWeights:
 
     _wire: Wire
     server: ServerInfo
-    _lifecycle: Lifecycle | LifecycleView
-    _metrics: GenerationMetrics
+    if TYPE_CHECKING:  # GenerationBackend's, which RemoteGeneration also derives from
+
+        @property
+        def lifecycle(self) -> Lifecycle | LifecycleView: ...
+
+        @property
+        def metrics(self) -> GenerationMetrics: ...
+
     _announced: int
     _open_update: _OpenUpdate | None = None
 
@@ -68,13 +74,13 @@ class RemoteWeights:
         if version is not None:
             next_version(0, version)  # an integer >= 0, or WeightUpdateError
         opened = _OpenUpdate()
-        self._lifecycle.begin_update()
+        self.lifecycle.begin_update()
         try:
             answer = self._wire.call(
                 "POST", "/start_weight_update", {"version": version, "in_flight": in_flight}
             )
         except BaseException:
-            self._lifecycle.end_update()
+            self.lifecycle.end_update()
             raise
         target = int(answer["weight_version"])
         opened.begin_seconds = time.perf_counter() - opened.started
@@ -119,12 +125,12 @@ class RemoteWeights:
             answer = self._wire.call("POST", "/finish_weight_update", {"weight_version": version})
         finally:
             if opened is not None:
-                self._lifecycle.end_update()
+                self.lifecycle.end_update()
         committed = int(answer["weight_version"])
         self._announced = max(self._announced, committed)
         if opened is not None:
             done = time.perf_counter()
-            self._metrics.refit_committed(
+            self.metrics.refit_committed(
                 done - opened.started,
                 {
                     "begin": opened.begin_seconds,
@@ -133,8 +139,8 @@ class RemoteWeights:
                 },
                 opened.nbytes,
             )
-        self._metrics.set_weight_version(committed)
-        self._lifecycle.weights_arrived()
+        self.metrics.set_weight_version(committed)
+        self.lifecycle.weights_arrived()
         return committed
 
     def abort_weight_update(self) -> None:
@@ -144,7 +150,7 @@ class RemoteWeights:
             self._wire.call("POST", "/abort_weight_update")
         finally:
             if opened is not None:
-                self._lifecycle.end_update()
+                self.lifecycle.end_update()
 
     def prepare_refit_info(
         self, state_dict_info: Mapping[str, tuple[torch.Size, torch.dtype]]
@@ -164,7 +170,7 @@ class RemoteWeights:
         loads = opened.loads if opened is not None else LoadsInFlight()
         loads.started()
         try:
-            with self._lifecycle.updating_weights():
+            with self.lifecycle.updating_weights():
                 self._wire.call("POST", "/update_weights", {"update_info": update_info})
         finally:
             loads.finished()
@@ -174,9 +180,9 @@ class RemoteWeights:
         seconds = loads.seconds
         version = self.weight_version  # the server committed it as an update of its own
         self._announced = max(self._announced, version)
-        self._metrics.refit_committed(seconds, {"load": seconds}, nbytes)
-        self._metrics.set_weight_version(version)
-        self._lifecycle.weights_arrived()
+        self.metrics.refit_committed(seconds, {"load": seconds}, nbytes)
+        self.metrics.set_weight_version(version)
+        self.lifecycle.weights_arrived()
 
     def _require_weight_routes(self, method: str, transport: str | None = None) -> None:
         """Refuse ``method`` unless the server takes weight updates (by ``transport``)."""
@@ -191,4 +197,4 @@ class RemoteWeights:
             why = f"the server's backend ({self.server.backend}) has no {transport} path"
         if why is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support {method}: {why}")
-        self._lifecycle.check_open(WeightUpdateError)
+        self.lifecycle.check_open(WeightUpdateError)

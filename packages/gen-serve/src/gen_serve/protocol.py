@@ -294,7 +294,7 @@ class RowExtras(BaseModel):
     Attributes:
         sample_seed: the row's ``GenerationDatumSpec.sample_seeds`` entry, used as it is
             (``seed`` is first spread over the request's ``n`` rows): a client that resolved
-            its rows' seeds itself (``gen_interface.sampling.sample_seed_for``) gets exactly
+            its rows' seeds itself (``gen_interface.seeds.derive_sample_seeds``) gets exactly
             the tokens its own call would draw. Needs ``n`` = 1.
         max_weight_staleness: the row starts only on weights at most this many versions behind
             the newest announced (``GenerationConfig.max_weight_staleness``, per request).

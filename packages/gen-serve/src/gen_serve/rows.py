@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from gen_interface import BatchedDataDict
-from gen_interface.sampling import MAX_SEED, derive_sample_seeds
+from gen_interface.seeds import MAX_SEED, derive_sample_seeds
 
 from gen_serve.errors import ApiError
 from gen_serve.protocol import SamplingFields

@@ -25,25 +25,24 @@ from typing import Any
 
 import httpx
 import torch
+from gen_backend_kit import GenerationBackend, GenerationCall, RowResult
+from gen_backend_kit.lifecycle import RESOURCES, Resource
+from gen_backend_kit.scoring import ScoreBatch, ScoredRow
+from gen_backend_kit.settings import resolve_dtype
+from gen_backend_kit.stepping import RowControl
+from gen_backend_kit.weights.consumer import write_shared_weights
 from gen_interface import (
     BackendBrokenError,
     BackendCapabilities,
     BackendUnavailableError,
-    GenerationBackend,
-    GenerationCall,
     GenerationConfigError,
     GenerationError,
     GenerationInputError,
     InFlight,
     MixedWeightsError,
-    RowResult,
     WeightUpdateError,
 )
-from gen_interface.config import GENERATION_CONFIG_DEFAULTS, resolve_dtype
-from gen_interface.lifecycle import RESOURCES, Resource
-from gen_interface.scoring import ScoreBatch, ScoredRow
-from gen_interface.stepping import RowControl
-from gen_interface.weights.consumer import write_shared_weights
+from gen_interface.config import GENERATION_CONFIG_DEFAULTS
 
 from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts, serving_dir
 from gen_sglang.config import SglangConfig, complete_sglang_config

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gen_backend_kit.weights.consumer import TensorSpecs
 from gen_interface import GenerationConfigError
-from gen_interface.weights.consumer import TensorSpecs
 from gen_interface.weights.shm import owner_tag, segment_dir, sweep_orphans
 
 __all__ = ["STAGED_PREFIX", "ModelFacts", "StagedCheckpoint", "read_model_facts", "serving_dir"]

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gen_interface import GenerationError, RowResult, RowSampling
-from gen_interface.scoring import ScoredRow
+from gen_backend_kit import RowResult, RowSampling
+from gen_backend_kit.scoring import ScoredRow
+from gen_interface import GenerationError
 
 __all__ = ["PROCESSOR", "RowStream", "batch_body", "generate_body", "score_body", "scored_row"]
 

@@ -10,7 +10,7 @@ __all__ = ["SglangTextCodec"]
 
 
 class SglangTextCodec:
-    """Text to token ids and back on a server (``gen_interface.text.TextCodec``): special
+    """Text to token ids and back on a server (``gen_backend_kit.text.TextCodec``): special
     tokens added on the way in, skipped on the way out, as the other backends do.
 
     Args:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gen_interface.lora import PEFT_PREFIX, adapter_specs
+from gen_backend_kit.lora import PEFT_PREFIX, adapter_specs
 
 __all__ = ["merge_adapter", "random_adapter"]
 

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gen_backend_kit.lora import lora_settings
+from gen_backend_kit.settings import resolve_dtype
 from gen_interface import GenerationConfigError
-from gen_interface.config import resolve_dtype
-from gen_interface.lora import lora_settings
 
 from gen_vllm.adapter import lora_engine_args
 from gen_vllm.config import VLLM_CFG_DEFAULTS, VllmConfig

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast, get_args
 
 import numpy as np
-from gen_interface import BackendBrokenError, FinishReason, GenerationError
+from gen_backend_kit import FinishReason
+from gen_interface import BackendBrokenError, GenerationError
 
 from gen_vllm.engine import EngineProtocol, StepOutput
 from gen_vllm.messages import RowOutput, RowRequest, TokenDelta

@@ -18,7 +18,7 @@ import socket
 from typing import Any
 
 import torch
-from gen_interface.lora import adapter_specs
+from gen_backend_kit.lora import adapter_specs
 from gen_interface.weights import combine_checksums, weights_checksum
 
 from gen_vllm.checkpoint import checkpoint_specs

@@ -12,29 +12,27 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
+from gen_backend_kit import GenerationBackend, GenerationCall, RowResult
+from gen_backend_kit.lifecycle import DUMMY_WEIGHTS, Resource, close_all
+from gen_backend_kit.lora import adapter_specs, lora_settings
+from gen_backend_kit.scoring import ScoreBatch, ScoredRow
+from gen_backend_kit.stepping import RowControl
+from gen_backend_kit.text import HfTokenizerCodec, TextCodec
+from gen_backend_kit.weights.consumer import TensorSpecs
+from gen_backend_kit.weights.updates import LoadWait
 from gen_interface import (
     BackendCapabilities,
     BackendUnavailableError,
     BatchedDataDict,
-    GenerationBackend,
-    GenerationCall,
     GenerationConfig,
     GenerationConfigError,
     GenerationError,
     InFlight,
     RowEvent,
-    RowResult,
 )
-from gen_interface.lifecycle import DUMMY_WEIGHTS, Resource, close_all
-from gen_interface.lora import adapter_specs, lora_settings
 from gen_interface.schema import ForeignKeys
-from gen_interface.scoring import ScoreBatch, ScoredRow
-from gen_interface.stepping import RowControl
-from gen_interface.text import HfTokenizerCodec, TextCodec
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
-from gen_interface.weights.consumer import TensorSpecs
 from gen_interface.weights.handles import WeightHandles
-from gen_interface.weights.updates import LoadWait
 
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
@@ -379,8 +377,8 @@ class VllmGeneration(GenerationBackend):
 
     def invalidate_kv_cache(self) -> bool:
         """Reset every replica's prefix cache; False while some rows still hold blocks."""
-        with self._lifecycle.breaks_on_fatal():
-            self._lifecycle.check_open(GenerationError)
+        with self.lifecycle.breaks_on_fatal():
+            self.lifecycle.check_open(GenerationError)
             return all(self.replicas.reset_prefix_cache())
 
     def _wake(self, resources: tuple[Resource, ...]) -> None:
@@ -425,7 +423,7 @@ class VllmGeneration(GenerationBackend):
         return sum(len(info["device_ids"]) for info in self.replicas.infos)
 
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
-        with self._lifecycle.breaks_on_fatal():
+        with self.lifecycle.breaks_on_fatal():
             tp = self.config["vllm_cfg"]["tensor_parallel_size"]
             self.replicas.init_collective(cast(CollectiveEndpoint, dict(endpoint)), tp)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from gen_interface import FinishReason
+from gen_backend_kit import FinishReason
 
 __all__ = ["RowOutput", "RowRequest", "ScoredTokens", "TokenDelta", "UpdateReport", "WorkerInfo"]
 

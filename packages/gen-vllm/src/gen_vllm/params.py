@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gen_interface import BatchSampling
+from gen_backend_kit import BatchSampling
 
 __all__ = ["row_sampling_params"]
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
+from gen_backend_kit.weights import handles_for_device, receive_broadcast
+from gen_backend_kit.weights.consumer import map_bucket
 from gen_interface import WeightUpdateError
-from gen_interface.weights import handles_for_device, receive_broadcast
 from gen_interface.weights.collective import BroadcastBucket, WeightGroup
-from gen_interface.weights.consumer import map_bucket
 from gen_interface.weights.handles import WeightHandles
 from gen_interface.weights.layout import unpack_verified
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from gen_interface.lora import is_adapter_weight
+from gen_backend_kit.lora import is_adapter_weight
 from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo

@@ -15,8 +15,8 @@ import logging
 import time
 from typing import Any
 
+from gen_backend_kit.weights.updates import LoadWait
 from gen_interface import GenerationError, InFlight, MixedWeightsError, WeightUpdateError
-from gen_interface.weights.updates import LoadWait
 
 from gen_vllm.receive import LoadInfo
 from gen_vllm.refit import verify_update

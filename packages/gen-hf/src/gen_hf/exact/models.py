@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 from gen_interface import BackendUnavailableError
-from gen_interface.exact import (
-    batch_invariance_problems,
-    invariant_attention,
-    invariant_linear,
-)
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from gen_hf.exact.check import batch_invariance_problems
+from gen_hf.exact.kernels import invariant_attention, invariant_linear
 
 __all__ = [
     "ATTENTION_NAME",

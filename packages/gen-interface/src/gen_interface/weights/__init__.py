@@ -15,8 +15,9 @@ Trainer, one shot (all buckets at once; one complete transaction)::
     with share_weights(model.state_dict()) as shared:
         generator.update_weights_from_ipc_handles(shared.handles)
 
-Consumer (inside a backend): ``WeightUpdates`` runs the transaction;
-``read_shared_weights`` maps and verifies the buckets of one load.
+The other end, inside a backend, is the backend kit's (``gen_backend_kit.weights``):
+``WeightUpdates`` runs the transaction; ``read_shared_weights`` maps and verifies the buckets of
+one load. This package holds the trainer's side and the handle format both ends share.
 """
 
 from gen_interface.weights.checksum import bytes_checksum, combine_checksums, weights_checksum
@@ -25,19 +26,6 @@ from gen_interface.weights.collective import (
     CollectiveEndpoint,
     WeightBroadcaster,
     join_weight_group,
-    receive_broadcast,
-)
-from gen_interface.weights.consumer import (
-    TensorSpecs,
-    check_update_is_complete,
-    check_weights_match,
-    handles_checksum,
-    handles_for_device,
-    iter_shared_weights,
-    merge_weight_handles,
-    read_shared_weights,
-    release_shared_weights,
-    state_dict_specs,
 )
 from gen_interface.weights.handles import (
     TensorSlot,
@@ -50,8 +38,6 @@ from gen_interface.weights.handles import (
 from gen_interface.weights.in_place import SharedParameters, share_parameters, share_tensors
 from gen_interface.weights.producer import DEFAULT_BUCKET_BYTES, SharedWeights, share_weights
 from gen_interface.weights.stream import DEFAULT_STREAM_BUCKET_BYTES, BucketRing, Refitter, refit
-from gen_interface.weights.transaction import WeightTransaction
-from gen_interface.weights.updates import WeightUpdates, WeightUpdateSteps
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -63,32 +49,18 @@ __all__ = [
     "SharedParameters",
     "SharedWeights",
     "TensorSlot",
-    "TensorSpecs",
     "WeightBroadcaster",
     "WeightBucket",
     "WeightHandles",
-    "WeightTransaction",
-    "WeightUpdateSteps",
-    "WeightUpdates",
     "bytes_checksum",
-    "check_update_is_complete",
-    "check_weights_match",
     "combine_checksums",
     "describe_weight_handles",
-    "handles_checksum",
-    "handles_for_device",
     "handles_from_json",
     "handles_to_json",
-    "iter_shared_weights",
     "join_weight_group",
-    "merge_weight_handles",
-    "read_shared_weights",
-    "receive_broadcast",
     "refit",
-    "release_shared_weights",
     "share_parameters",
     "share_tensors",
     "share_weights",
-    "state_dict_specs",
     "weights_checksum",
 ]

@@ -5,7 +5,8 @@ built from a ``TCPStore`` rendezvous, independent of any group the trainer alrea
 default ``torch.distributed`` group is never touched): gloo for CPU tensors, NCCL for CUDA ones.
 Weights travel in buckets: the trainer packs one, tells the backend what it holds (names, dtypes,
 shapes, offsets, checksum), and broadcasts it; every worker receives, verifies and loads it, in
-the same transaction as the shared-memory path.
+the same transaction as the shared-memory path (the receiving end is the backend kit's
+``gen_backend_kit.weights.receive_broadcast``).
 
 Trainer::
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -28,7 +29,7 @@ import torch
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import combine_checksums
 from gen_interface.weights.handles import TensorSlot
-from gen_interface.weights.layout import group_bytes, pack, plan_buckets, unpack_verified
+from gen_interface.weights.layout import group_bytes, pack, plan_buckets
 from gen_interface.weights.producer import named_tensors
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ __all__ = [
     "BroadcastBucket",
     "CollectiveEndpoint",
     "WeightBroadcaster",
+    "broadcast",
     "join_weight_group",
-    "receive_broadcast",
 ]
 
 #: Bytes per broadcast: large enough to amortise each call's latency.
@@ -108,23 +109,6 @@ def broadcast(group: WeightGroup, data: torch.Tensor) -> None:
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
     group.group.broadcast([data], options).wait()
-
-
-def receive_broadcast(
-    group: WeightGroup, bucket: BroadcastBucket
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive one broadcast bucket into new memory on the group's device.
-
-    Returns:
-        ``(name, tensor)`` views of the received bytes (nothing else holds them), each verified
-        just before it is yielded.
-
-    Raises:
-        WeightUpdateError (while iterating): a tensor differs from what the trainer sent.
-    """
-    data = torch.empty(max(bucket["nbytes"], 1), dtype=torch.uint8, device=group.device)
-    broadcast(group, data)
-    return unpack_verified(data, bucket["tensors"])
 
 
 class WeightBroadcaster:

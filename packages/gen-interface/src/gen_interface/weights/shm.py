@@ -6,10 +6,11 @@ and its holders (``BucketRing``, ``SharedWeights``) do so when collected or at i
 
 A segment cannot outlive its owner for long even when the owner dies without a word (SIGKILL,
 the OOM killer, a preempted node): its name holds the owner's PID namespace, pid and start
-time, and ``sweep_orphans`` removes every segment whose owner is no longer running. It runs when
-a process makes its first segment and when a backend starts. The start time tells a reused pid
-from the owner; segments made in another PID namespace (a container sharing ``/dev/shm``) are
-left alone, since their owners cannot be seen from here.
+time, and ``sweep_orphans`` removes every segment whose owner is no longer running. It runs once
+per process, when the process makes its first segment: where segments are made, not when a
+backend merely starts. The start time tells a reused pid from the owner; segments made in another
+PID namespace (a container sharing ``/dev/shm``) are left alone, since their owners cannot be
+seen from here.
 """
 
 from __future__ import annotations

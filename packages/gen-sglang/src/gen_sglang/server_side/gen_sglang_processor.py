@@ -2,7 +2,7 @@
 this project samples.
 
 It runs inside the server (``support_dir`` puts it on the path), before SGLang's sampler, and
-makes the choice itself with ``gen_interface.sampling.select_next_tokens``, the reference
+makes the choice itself with ``gen_backend_kit.sampling.select_next_tokens``, the reference
 decoding step gen-hf runs: the row's temperature, min-p, top-k and top-p in this project's order
 and tie rules, and a draw from a torch generator seeded with the row's seed that lives on the
 request for its whole life. So a row's tokens depend on its seed and its logits alone, as on
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gen_interface.row_sampling import RowSampling
-from gen_interface.sampling import row_generators, select_next_tokens
+from gen_backend_kit.row_sampling import RowSampling
+from gen_backend_kit.sampling import row_generators, select_next_tokens
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 #: The ``customized_info`` (and so ``meta_info``) key of each token's choice.

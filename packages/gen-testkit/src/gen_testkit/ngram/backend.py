@@ -2,7 +2,7 @@
 
 It needs no model files and runs in milliseconds, so the conformance suite is tested against it
 and training loops can be unit-tested without a real model. It follows every CONTRACT rule with
-the reference decoding step (``gen_interface.sampling.select_next_tokens``), streams rows as
+the reference decoding step (``gen_backend_kit.sampling.select_next_tokens``), streams rows as
 they finish and takes weight updates while rows run (``keep`` and ``abort``), stepping through
 the same ``StepGate`` as gen-hf.
 """
@@ -14,18 +14,13 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar, TypedDict, cast
 
 import torch
-from gen_interface import (
-    BackendCapabilities,
-    GenerationCall,
-    GenerationConfig,
-    GenerationConfigError,
-    RowResult,
-)
-from gen_interface.decoding import StopRules
-from gen_interface.in_process import InProcessBackend
-from gen_interface.sampling import row_generators, select_next_tokens
-from gen_interface.scoring import ScoreBatch, ScoredRow, scored_row
-from gen_interface.stepping import GeneratedRows, RowControl
+from gen_backend_kit import GenerationCall, RowResult
+from gen_backend_kit.decoding import StopRules
+from gen_backend_kit.in_process import InProcessBackend
+from gen_backend_kit.sampling import row_generators, select_next_tokens
+from gen_backend_kit.scoring import ScoreBatch, ScoredRow, scored_row
+from gen_backend_kit.stepping import GeneratedRows, RowControl
+from gen_interface import BackendCapabilities, GenerationConfig, GenerationConfigError
 
 from gen_testkit.ngram.model import NgramModel
 

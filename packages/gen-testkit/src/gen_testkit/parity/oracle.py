@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-from gen_interface.sampling import processed_log_probs
+from gen_backend_kit.sampling import processed_log_probs
 
 from gen_testkit.strategies import pad_prompts
 

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from gen_backend_kit.sampling import processed_log_probs
 from gen_interface import BatchedDataDict, GenerationInterface, sampling_settings_of
-from gen_interface.sampling import processed_log_probs
 
 from gen_testkit.parity.metrics import (
     ExactAgreement,
