@@ -159,7 +159,7 @@ def test_a_row_with_its_own_settings_gets_what_it_gets_alone(
 
 @pytest.mark.parametrize("temperature", [1e-6, 0.0])
 def test_tiny_temperatures_count_as_greedy(temperature):
-    from gen_backend_kit.sampling import is_greedy
+    from gen_backend_kit.row_sampling import is_greedy
 
     assert is_greedy(temperature, greedy=False)
     assert not is_greedy(0.5, greedy=False)

@@ -21,9 +21,24 @@ from gen_interface.seeds import MAX_SEED, derive_row_seeds, row_seed
 from gen_interface.specs import GenerationConfig, LogprobsMode
 
 from gen_backend_kit.inputs import PromptBatch
-from gen_backend_kit.sampling import is_greedy
 
-__all__ = ["BatchSampling", "GenerationCall", "RowSampling", "resolve_sampling", "row_seeds_for"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "BatchSampling",
+    "GenerationCall",
+    "RowSampling",
+    "is_greedy",
+    "resolve_sampling",
+    "row_seeds_for",
+]
+
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them overflows.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float, greedy: bool) -> bool:
+    """True when a generate call takes the argmax: ``greedy=True`` or a temperature of ~0."""
+    return greedy or temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

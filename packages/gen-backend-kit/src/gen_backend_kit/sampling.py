@@ -17,21 +17,11 @@ if TYPE_CHECKING:
     from gen_backend_kit.row_sampling import RowSampling
 
 __all__ = [
-    "GREEDY_TEMPERATURE",
     "TokenChoice",
-    "is_greedy",
     "processed_log_probs",
     "row_generators",
     "select_next_tokens",
 ]
-
-#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing by them overflows.
-GREEDY_TEMPERATURE = 1e-5
-
-
-def is_greedy(temperature: float, greedy: bool) -> bool:
-    """True when a generate call takes the argmax: ``greedy=True`` or a temperature of ~0."""
-    return greedy or temperature < GREEDY_TEMPERATURE
 
 
 def processed_log_probs(

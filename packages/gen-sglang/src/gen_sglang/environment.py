@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import gen_backend_kit
 import gen_interface
 from gen_interface import BackendUnavailableError
 
@@ -100,9 +101,11 @@ def managed_python(progress: Progress = print) -> Path:
 
 def support_dir(*, cpu: bool) -> list[str]:
     """The directories a server puts first on its ``PYTHONPATH``: this package's server-side
-    modules and a copy of ``gen_interface`` (the decoding step they run), plus the CPU
-    stand-ins when ``cpu``. Made once per version of those files."""
-    sources = [_SERVER_SIDE, Path(gen_interface.__file__).parent]
+    modules and copies of ``gen_interface`` and ``gen_backend_kit`` (the decoding step they run,
+    and what it is built on), plus the CPU stand-ins when ``cpu``. Made once per version of
+    those files."""
+    packages = [Path(gen_interface.__file__).parent, Path(gen_backend_kit.__file__).parent]
+    sources = [_SERVER_SIDE, *packages]
     digest = hashlib.sha256()
     for root in sources:
         for path in sorted(root.rglob("*.py")):
@@ -113,7 +116,8 @@ def support_dir(*, cpu: bool) -> list[str]:
         staging = Path(tempfile.mkdtemp(dir=home(), prefix=".support-"))
         skip = shutil.ignore_patterns("__pycache__", "*.pyc")
         shutil.copytree(_SERVER_SIDE, staging, dirs_exist_ok=True, ignore=skip)
-        shutil.copytree(sources[1], staging / "gen_interface", ignore=skip)
+        for package in packages:
+            shutil.copytree(package, staging / package.name, ignore=skip)
         try:
             staging.rename(target)
         except OSError:  # another process made it first
