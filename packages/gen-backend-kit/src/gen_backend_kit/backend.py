@@ -28,7 +28,9 @@ step                      what it does
 **May override**: ``capabilities`` (say what the steps offer), ``complete_config`` (the
 backend's own settings), ``create`` (build what the constructor needs), ``set_weight_loading``
 (through ``settings_key``), ``invalidate_kv_cache``, ``collective_ranks`` / ``init_collective``
-(the collective transport), and a public method when it extends the base's (call ``super()``).
+(the collective transport), ``_newest_announced`` (where the newest announced weight version is
+kept elsewhere: a server's), and a public method when it extends the base's (call ``super()``;
+gen-remote replaces the weight-update methods, since its server runs the transaction).
 
 **May use**: ``config``, ``lifecycle`` (the life cycle's state machine: ``generating``,
 ``breaks_on_fatal``, ``updating_weights`` ...), ``metrics`` (the counters behind
@@ -378,7 +380,8 @@ class GenerationBackend(GenerationInterface):
             yield count
 
     def _newest_announced(self) -> int:
-        """The newest weight version announced: what metrics count versions behind from."""
+        """The newest weight version announced: what metrics count versions behind from.
+        A backend whose versions are announced elsewhere (a server's) overrides it."""
         return self._weights.announced if self._weights is not None else 0
 
     # ---- weight updates --------------------------------------------------------------------

@@ -142,6 +142,21 @@ PRESETS: dict[str, TinyModelSpec] = {
         init_std=0.03,
     ),
 }
+# The step-speed model: so small that a vLLM decode step over 64 rows takes 10-30 ms on two CPU
+# cores, a GPU's order for a 7B model, so whatever a layer adds per step and per row shows (on
+# bench-50m it hides behind the model). Llama, hidden 128, 3 layers, 2 heads of 64, 1 KV head,
+# vocabulary 1,000, float32.
+PRESETS["bench-step"] = TinyModelSpec(
+    architecture="llama",
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=1024,
+    seed=4,
+)
 # About 160M parameters (0.64 GB in float32): bench-250m with half its layers, the smaller model
 # of the refit benchmark.
 PRESETS["bench-160m"] = dataclasses.replace(PRESETS["bench-250m"], num_hidden_layers=8)
