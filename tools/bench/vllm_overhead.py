@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -271,7 +273,8 @@ def main() -> None:
 
         args.model = str(build_tiny_model("bench-50m").path)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 8000, (args.batch, args.prompt), generator=generator)
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=generator)
     batch = BatchedDataDict(input_ids=ids, attention_mask=torch.ones_like(ids))
     tokens = args.batch * args.new
     print(
