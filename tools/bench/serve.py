@@ -1,24 +1,28 @@
-"""One OpenAI-client workload against ``vllm serve`` and ``gen-serve --backend vllm``, side by
-side: generated tokens per second and time to first token.
+"""One OpenAI-client workload against ``vllm serve`` and ``gen-serve --backend vllm``, in
+interleaved pairs: generated tokens per second and time to first token.
 
-    uv run python tools/bench/serve.py [--model bench-50m] [--requests 64] [--new 16,256] \
-        [--repeats 2] [--servers vllm-serve,vllm-serve-no-chunked-prefill,gen-serve]
+    uv run python tools/bench/serve.py [--model bench-step] [--requests 64] [--new 16,128] \
+        [--prompt 8,96] [--pairs 5] [--servers vllm-serve,gen-serve]
 
-Each server runs in a process of its own on 127.0.0.1 (a free port), one at a time, on the same
-random float32 testkit model, with one CPU engine, a 1 GiB KV cache and the same context limit.
-vLLM's server is ``python -m vllm.entrypoints.openai.api_server`` (its ``vllm`` command cannot
-start from the CPU build) with its own defaults otherwise.
+Every server runs in a process of its own on 127.0.0.1 (a free port), all of them at once, on the
+same random float32 testkit model, with one CPU engine, a 1 GiB KV cache and the same context
+limit. vLLM's server is ``python -m vllm.entrypoints.openai.api_server`` (its ``vllm`` command
+cannot start from the CPU build) with the settings gen-vllm uses on CPU: ``--enforce-eager
+--no-enable-chunked-prefill --seed 0 --max-model-len 512``, ``VLLM_CPU_KVCACHE_SPACE=1``
+(``vllm-serve-chunked-prefill``: the same with vLLM's default chunked prefill).
 
-Workload, the same for both (fixed seed): ``--requests`` concurrent streaming
+Workload, the same for every server (fixed seed): ``--requests`` concurrent streaming
 ``client.completions.create`` calls of the official ``openai`` client, each a prompt of random
-token ids (16-128 tokens) and its own ``max_tokens`` drawn uniformly from ``--new``, sampled at
-temperature 1 with ``ignore_eos`` (so every request runs to its length), usage reported in the
-last chunk. A request's time to first token is from sending it to its first chunk with text or
-token ids. Each server answers 4 requests first (untimed), then the workload ``--repeats``
-times; reported: the fastest run's generated tokens per wall second (usage's
-``completion_tokens``), and time to first token p50 and p99 over that run's requests, with
-ratios to the first server (``vllm serve``). Every run is bounded: ``--requests`` requests,
-``--timeout`` seconds.
+token ids (``--prompt`` lengths) and its own ``max_tokens`` drawn uniformly from ``--new``,
+sampled at temperature 1 with a seed of its own and ``ignore_eos`` (so every request runs to its
+length), usage reported in the last chunk. A request's time to first token is from sending it
+to its first chunk with text or token ids. Each server answers 4 requests first (untimed); then
+``--pairs`` rounds, each running the workload once on every server in turn (``vllm serve``
+varies by up to 1.7x between runs here: interleaving lets the machine's drift fall on every
+server alike). Reported per server: the median over rounds of generated tokens per wall second
+(usage's ``completion_tokens``) and of the rounds' time to first token p50 and p99; and per round
+the ratios to the first server, with their median and spread. Every run is bounded:
+``--requests`` requests, ``--timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -46,15 +51,17 @@ _NAME = "bench"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="bench-50m", help="testkit preset")
+    parser.add_argument("--model", default="bench-step", help="testkit preset")
     parser.add_argument("--requests", type=int, default=64, help="concurrent requests per run")
-    parser.add_argument("--new", default="16,256", help="smallest,largest max_tokens")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per server")
+    parser.add_argument("--new", default="16,128", help="smallest,largest max_tokens")
+    parser.add_argument("--prompt", default="8,96", help="shortest,longest prompt")
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument(
         "--servers",
-        default="vllm-serve,vllm-serve-no-chunked-prefill,gen-serve",
-        help="comma-separated; ratios are to the first",
+        default="vllm-serve,gen-serve",
+        help="comma-separated (vllm-serve, vllm-serve-chunked-prefill, gen-serve); ratios are "
+        "to the first",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
     parser.add_argument("--seed", type=int, default=0)
@@ -76,16 +83,26 @@ class Run:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+Work = list[tuple[list[int], int, int]]  # per request: prompt, max_tokens, seed
+
+
+def workload(args: argparse.Namespace, vocab: int) -> Work:
     rng = random.Random(args.seed)
     low, high = (int(x) for x in args.new.split(","))
+    shortest, longest = (int(x) for x in args.prompt.split(","))
     return [
-        ([rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))], rng.randint(low, high))
-        for _ in range(args.requests)
+        (
+            [rng.randrange(3, vocab) for _ in range(rng.randint(shortest, longest))],
+            rng.randint(low, high),
+            1000 + i,
+        )
+        for i in range(args.requests)
     ]
 
 
-async def one_request(client: Any, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+async def one_request(
+    client: Any, prompt: list[int], max_tokens: int, seed: int
+) -> tuple[float, int]:
     """Stream one completion; its time to first token and its generated-token count."""
     start = time.perf_counter()
     first: float | None = None
@@ -97,6 +114,7 @@ async def one_request(client: Any, prompt: list[int], max_tokens: int) -> tuple[
         temperature=1.0,
         stream=True,
         stream_options={"include_usage": True},
+        seed=seed,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     async for chunk in stream:
@@ -109,7 +127,7 @@ async def one_request(client: Any, prompt: list[int], max_tokens: int) -> tuple[
     return first, tokens
 
 
-async def run_workload(url: str, work: list[tuple[list[int], int]], timeout_s: float) -> Run:
+async def run_workload(url: str, work: Work, timeout_s: float) -> Run:
     from openai import AsyncOpenAI
 
     async with AsyncOpenAI(
@@ -117,7 +135,7 @@ async def run_workload(url: str, work: list[tuple[list[int], int]], timeout_s: f
     ) as client:
         start = time.perf_counter()
         results = await asyncio.wait_for(
-            asyncio.gather(*(one_request(client, p, n) for p, n in work)), timeout_s
+            asyncio.gather(*(one_request(client, p, n, seed) for p, n, seed in work)), timeout_s
         )
         seconds = time.perf_counter() - start
     return Run(seconds, sum(n for _, n in results), [t for t, _ in results])
@@ -125,10 +143,13 @@ async def run_workload(url: str, work: list[tuple[list[int], int]], timeout_s: f
 
 def server_for(name: str, model: TinyModel, args: argparse.Namespace, config: str) -> ServerProcess:
     port = free_port()
-    if name in ("vllm-serve", "vllm-serve-no-chunked-prefill"):
+    if name in ("vllm-serve", "vllm-serve-chunked-prefill"):
         # gen-vllm runs its engines without chunked prefill on CPU (a seeded row's generator
-        # cannot rewind there); the second server measures vLLM's own server the same way.
-        extra = ["--no-enable-chunked-prefill"] if name != "vllm-serve" else []
+        # cannot rewind there) and with seed 0; vLLM's server the same way, unless asked for
+        # its default chunked prefill.
+        extra = ["--seed", "0"]
+        if name == "vllm-serve":
+            extra.append("--no-enable-chunked-prefill")
         command = vllm_serve_command(
             model.path,
             port,
@@ -147,58 +168,68 @@ def server_for(name: str, model: TinyModel, args: argparse.Namespace, config: st
     return ServerProcess(command, port, env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}, name=name)
 
 
-def measure(name: str, model: TinyModel, args: argparse.Namespace, config: str) -> list[Run]:
+def measure(
+    names: list[str], model: TinyModel, args: argparse.Namespace, config: str
+) -> dict[str, list[Run]]:
+    """Start every server, warm each, then run the workload on each in turn, ``--pairs`` times."""
     work = workload(args, model.vocab_size)
-    server = server_for(name, model, args, config)
+    servers: dict[str, ServerProcess] = {}
     try:
-        print(f"{name}: ready after {server.wait_ready(600):.1f} s", flush=True)
-        asyncio.run(run_workload(server.url, [(p, 8) for p, _ in work[:4]], args.timeout))
-        runs = []
-        for _ in range(args.repeats):
-            run = asyncio.run(run_workload(server.url, work, args.timeout))
-            runs.append(run)
-            print(
-                f"  {run.tokens} tokens in {run.seconds:.2f} s: {run.tokens_s:.1f} tokens/s, "
-                f"time to first token p50 {run.ttft_quantile(0.5):.3f} s "
-                f"p99 {run.ttft_quantile(0.99):.3f} s",
-                flush=True,
-            )
+        for name in names:
+            servers[name] = server_for(name, model, args, config)
+            print(f"{name}: ready after {servers[name].wait_ready(600):.1f} s", flush=True)
+            warm = [(p, 8, seed) for p, _, seed in work[:4]]
+            asyncio.run(run_workload(servers[name].url, warm, args.timeout))
+        runs: dict[str, list[Run]] = {name: [] for name in names}
+        for round_ in range(args.pairs):
+            for name, server in servers.items():
+                run = asyncio.run(run_workload(server.url, work, args.timeout))
+                runs[name].append(run)
+                print(
+                    f"  round {round_ + 1} {name}: {run.tokens} tokens in {run.seconds:.2f} s: "
+                    f"{run.tokens_s:.1f} tokens/s, time to first token p50 "
+                    f"{run.ttft_quantile(0.5):.3f} s p99 {run.ttft_quantile(0.99):.3f} s",
+                    flush=True,
+                )
         return runs
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
-def main() -> dict[str, Run]:
+def main() -> dict[str, list[Run]]:
     args = parse_args()
     model = build_tiny_model(args.model)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"vllm_cfg": {"cpu_kv_cache_gib": 1.0}}, f)
         config = f.name
     print(
-        f"{args.model}: {model.spec.parameter_count() / 1e6:.0f}M parameters; {args.requests} "
-        f"concurrent streaming requests, max_tokens {args.new}",
+        f"{args.model}: {model.spec.parameter_count() / 1e6:.1f}M parameters; {args.requests} "
+        f"concurrent streaming requests, max_tokens {args.new}, prompts {args.prompt}, "
+        f"{args.pairs} interleaved rounds",
         flush=True,
     )
-    best: dict[str, Run] = {}
-    for name in args.servers.split(","):
-        best[name] = max(measure(name, model, args, config), key=lambda r: r.tokens_s)
-    reference = next(iter(best.values()), None)
+    names = args.servers.split(",")
+    runs = measure(names, model, args, config)
+    reference = runs[names[0]]
     print()
     print(
-        "| server | tokens/s | TTFT p50 s | TTFT p99 s | tokens/s ratio | TTFT p50 ratio "
-        "| TTFT p99 ratio |"
+        "| server | tokens/s (median) | TTFT p50 s | TTFT p99 s | tokens/s ratio (spread) "
+        "| TTFT p50 ratio (spread) |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for name, run in best.items():
-        p50, p99 = run.ttft_quantile(0.5), run.ttft_quantile(0.99)
-        ratios = (
-            f"{run.tokens_s / reference.tokens_s:.2f} | "
-            f"{p50 / reference.ttft_quantile(0.5):.2f} | {p99 / reference.ttft_quantile(0.99):.2f}"
-            if reference is not None
-            else "- | - | -"
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        mine = runs[name]
+        tps = [r.tokens_s / ref.tokens_s for r, ref in zip(mine, reference)]
+        p50 = [r.ttft_quantile(0.5) / ref.ttft_quantile(0.5) for r, ref in zip(mine, reference)]
+        print(
+            f"| {name} | {statistics.median(r.tokens_s for r in mine):.0f} "
+            f"| {statistics.median(r.ttft_quantile(0.5) for r in mine):.3f} "
+            f"| {statistics.median(r.ttft_quantile(0.99) for r in mine):.3f} "
+            f"| {statistics.median(tps):.2f} ({min(tps):.2f}-{max(tps):.2f}) "
+            f"| {statistics.median(p50):.2f} ({min(p50):.2f}-{max(p50):.2f}) |"
         )
-        print(f"| {name} | {run.tokens_s:.1f} | {p50:.3f} | {p99:.3f} | {ratios} |")
-    return best
+    return runs
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ class FakeEngine:
         )
         self.kv_mapped = True
         self.paused = False
+        self.version = 0  # the label of the weights that produce the next tokens
         self._requests: dict[str, _Request] = {}
         self._loaded_version = -1
         self._log(
@@ -153,10 +154,12 @@ class FakeEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], params: dict[str, Any], stream: bool = False
+    ) -> None:
         if params.get("stop"):
             raise NotImplementedError("the fake engine has no tokenizer for stop strings")
-        self._requests[request_id] = _Request(prompt, params)
+        self._requests[request_id] = _Request(prompt, params, stream)
 
     def step(self) -> list[StepOutput]:
         if self.paused or not self._requests:
@@ -172,18 +175,30 @@ class FakeEngine:
                 output = request.advance(request_id, model, self.processed, shift)
                 if self._fault("rows"):
                     output = StepOutput(request_id, output.token_ids, output.logprobs, "error")
+                request.record(output, self.version)
                 if output.finish_reason is not None and self.routed_top_k:
                     read = request.sequence[:-1]  # the last token was sampled, never fed
                     routing = reference_routing(model, read, self.routed_top_k).experts
                     output = dataclasses.replace(output, routed_experts=routing.numpy())
-                outputs.append(output)
                 if output.finish_reason is not None:
                     del self._requests[request_id]
+                # as vLLM's outputs: every step's tokens for a request that streams (DELTA),
+                # else one output with every token when it ends (FINAL_ONLY)
+                if request.stream:
+                    outputs.append(output)
+                elif output.finish_reason is not None:
+                    outputs.append(request.whole(output))
         return outputs
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> list[StepOutput]:
+        finals = []
         for request_id in request_ids:
-            self._requests.pop(request_id, None)
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            ended = StepOutput(request_id, [], [], "abort")
+            finals.append(ended if request.stream else request.whole(ended))
+        return finals
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -229,6 +244,7 @@ class FakeEngine:
 
     def set_weight_version(self, version: int) -> None:
         self._log("version", version=version)
+        self.version = version
 
     def shutdown(self) -> None:
         self._log("shutdown")
@@ -414,15 +430,39 @@ class _PackedLinear(torch.nn.Module):
 
 
 class _Request:
-    """One request's state: its sequence, its generator, what it asked for."""
+    """One request's state: its sequence, its generator, what it asked for, what it made."""
 
-    def __init__(self, prompt: list[int], params: dict[str, Any]):
+    def __init__(self, prompt: list[int], params: dict[str, Any], stream: bool = False):
         self.sequence = list(prompt)
         self.prompt_length = len(prompt)
         self.params = params
+        self.stream = stream
         self.generated = 0
         seed = params.get("seed")
         self.generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        self.made: list[StepOutput] = []  # every step's output
+        self.versions: list[int] = []  # the weight version of each token
+
+    def record(self, output: StepOutput, version: int) -> None:
+        self.made.append(output)
+        self.versions.extend([version] * len(output.token_ids))
+
+    def whole(self, last: StepOutput) -> StepOutput:
+        """One output with every token made, ended as ``last`` says (vLLM's FINAL_ONLY)."""
+        top = bool(int(self.params.get("logprobs") or 0))
+        first = self.made[0] if self.made else last
+        return dataclasses.replace(
+            last,
+            token_ids=[t for o in self.made for t in o.token_ids],
+            logprobs=[v for o in self.made for v in o.logprobs],
+            prompt_logprobs=first.prompt_logprobs,
+            topk_ids=[x for o in self.made for x in (o.topk_ids or [])] if top else None,
+            topk_logprobs=[x for o in self.made for x in (o.topk_logprobs or [])] if top else None,
+            prompt_topk_ids=first.prompt_topk_ids,
+            prompt_topk_logprobs=first.prompt_topk_logprobs,
+            whole=True,
+            weight_versions=list(self.versions),
+        )
 
     def advance(
         self, request_id: str, model: torch.nn.Module, processed: bool, shift: int = 0

@@ -10,9 +10,10 @@ import threading
 import time
 
 import pytest
+from fake_replicas import FakeReplicas
 from gen_interface import GenerationError
 from gen_vllm.background_loop import BackgroundLoop
-from gen_vllm.messages import RowOutput, RowRequest
+from gen_vllm.messages import RowRequest
 from gen_vllm.router import AFFINITY_SLACK_TOKENS, RowRouter
 
 
@@ -70,30 +71,15 @@ def test_close_is_bounded_even_when_a_task_will_not_stop():
     loop.close(timeout_s=0.5)  # idempotent
 
 
-class _NeverDone:
-    """Stands in for ``ReplicaSet``: rows never finish (an engine stuck in a step)."""
-
-    def __init__(self, replicas: int):
-        self.started: list[int] = []
-        self._replicas = replicas
-
-    def __len__(self) -> int:
-        return self._replicas
-
-    def generate(self, replica: int, request: RowRequest) -> asyncio.Future[None]:
-        self.started.append(replica)
-        return asyncio.get_running_loop().create_future()
-
-
 def test_a_call_waiting_for_a_free_replica_times_out_with_a_generation_error():
     """Fails on the main before the shared base: ``asyncio.wait_for`` raised a bare
     ``TimeoutError`` when every replica was full of another call's rows."""
-    replicas = _NeverDone(1)
+    replicas = FakeReplicas(1)
     router = RowRouter(replicas, capacity=1)  # type: ignore[arg-type]
 
     async def two_calls() -> None:
         first = asyncio.ensure_future(_drain(router, "a", 5.0))
-        while not replicas.started:
+        while not replicas.placed:
             await asyncio.sleep(0.01)
         try:
             with pytest.raises(GenerationError, match=r"did not finish within 0\.2 s"):
@@ -104,33 +90,18 @@ def test_a_call_waiting_for_a_free_replica_times_out_with_a_generation_error():
     asyncio.run(two_calls())
 
 
-def test_a_call_whose_rows_run_too_long_times_out_with_a_generation_error():
-    router = RowRouter(_NeverDone(2), capacity=4)  # type: ignore[arg-type]
+def test_a_call_whose_rows_run_too_long_times_out_and_aborts_them():
+    replicas = FakeReplicas(2)
+    router = RowRouter(replicas, capacity=4)  # type: ignore[arg-type]
     with pytest.raises(GenerationError, match=r"\(2 of 2 rows unfinished"):
         asyncio.run(_drain(router, "c", 0.2))
     assert router.rows == [0, 0], "rows of the timed-out call still count as running"
+    assert sorted(replicas.aborted) == ["c-0", "c-1"]
 
 
 async def _drain(router: RowRouter, call: str, timeout_s: float) -> list[int]:
     requests = [RowRequest(f"{call}-{i}", [1, 2], {"max_tokens": 4}) for i in range(2)]
-    return [i async for i, _ in router.run(requests, [4, 4], timeout_s)]
-
-
-class _Immediate:
-    """Stands in for ``ReplicaSet``: every row finishes at once; records where each went."""
-
-    def __init__(self, replicas: int):
-        self.placed: list[tuple[str | None, int]] = []  # (session, replica) per row, in order
-        self._replicas = replicas
-
-    def __len__(self) -> int:
-        return self._replicas
-
-    def generate(self, replica: int, request: RowRequest) -> asyncio.Future[RowOutput]:
-        self.placed.append((request.session, replica))
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(RowOutput(token_ids=[7], logprobs=[-1.0], finish_reason="stop"))
-        return done
+    return [i async for d in router.run(requests, [4, 4], timeout_s) for i, _ in d.items]
 
 
 def _call(router: RowRouter, sessions: list[str | None], cost: int = 4) -> None:
@@ -147,7 +118,7 @@ def _call(router: RowRouter, sessions: list[str | None], cost: int = 4) -> None:
 
 
 def test_rows_of_a_session_go_to_the_replica_that_served_it():
-    replicas = _Immediate(2)
+    replicas = FakeReplicas(2, finish_at_once=True)
     router = RowRouter(replicas, capacity=8)  # type: ignore[arg-type]
     sessions = ["a", "b", "c", "d"]
     _call(router, sessions)
@@ -161,7 +132,7 @@ def test_rows_of_a_session_go_to_the_replica_that_served_it():
 
 
 def test_a_session_leaves_a_replica_its_load_does_not_allow():
-    replicas = _Immediate(2)
+    replicas = FakeReplicas(2, finish_at_once=True)
     router = RowRouter(replicas, capacity=2)  # type: ignore[arg-type]
     _call(router, ["a"])
     home = replicas.placed[0][1]

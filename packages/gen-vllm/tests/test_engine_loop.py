@@ -23,15 +23,19 @@ class StubEngine:
     def __init__(self) -> None:
         self.rows: set[str] = set()
 
-    def add_request(self, request_id: str, prompt: list[int], params: dict) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], params: dict, stream: bool = False
+    ) -> None:
         self.rows.add(request_id)
 
     def step(self) -> list[StepOutput]:
         time.sleep(0.001)
         return []
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> list[StepOutput]:
+        live = sorted(self.rows.intersection(request_ids))
         self.rows.difference_update(request_ids)
+        return [StepOutput(r, [], [], "abort", whole=True) for r in live]
 
     def shutdown(self) -> None:
         return None
@@ -116,3 +120,40 @@ def test_a_failed_step_is_fatal_and_says_so_on_every_later_row(scripted):
     with pytest.raises(EngineFailedError, match="unusable: an engine step failed"):
         asyncio.run(scripted.generate(RowRequest("r2", [1, 2], {})))
     assert isinstance(EngineFailedError("x"), BackendBrokenError)
+
+
+def test_rows_added_in_a_batch_leave_through_the_feed_one_message_per_step(scripted):
+    async def run() -> list[object]:
+        await scripted.add_rows([RowRequest(f"b{i}", [1, 2], {}) for i in range(3)])
+        batch = await scripted.feed.take()
+        assert batch is not None
+        return sorted(request_id for request_id, _ in batch.finished)
+
+    assert asyncio.run(run()) == ["b0", "b1", "b2"]
+
+
+def test_a_row_cut_short_keeps_the_tokens_it_had_and_says_abort(loop):
+    async def run() -> object:
+        await loop.add_rows([RowRequest("c0", [1, 2], {})])
+        assert loop.submit(loop.cut_all).result(timeout=5) == 1
+        return await loop.feed.take()
+
+    batch = asyncio.run(run())
+    assert batch is not None
+    ((request_id, row),) = batch.finished
+    assert request_id == "c0" and row.finish_reason == "abort" and loop.in_flight == 0
+
+
+def test_a_failed_step_fails_the_rows_added_in_a_batch_through_the_feed(scripted):
+    scripted.engine.explode = True
+
+    async def run() -> object:
+        await scripted.add_rows([RowRequest("f0", [1, 2], {})])
+        return await scripted.feed.take()
+
+    batch = asyncio.run(run())
+    assert batch is not None
+    (failure,) = batch.failed
+    assert failure.request_id == "f0" and failure.engine_failed
+    with pytest.raises(EngineFailedError, match="unusable"):
+        asyncio.run(scripted.add_rows([RowRequest("f1", [1, 2], {})]))

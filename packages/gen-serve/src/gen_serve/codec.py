@@ -210,6 +210,12 @@ class IncrementalText:
     A token may end inside a multi-byte character; its text then ends in U+FFFD until the next
     token completes it, so such a tail is held back, as is any tail that could begin one of the
     ``stop_strings`` (cut from the text unless ``include_stop``).
+
+    Each ``add`` costs the same whatever the row's length: only the tokens since the text last
+    grew are decoded (with the chunk before them as context, so a tokenizer that writes a
+    token's leading space by context writes the same text as it would for the whole row; vLLM's
+    incremental detokenizer does the same), and stop strings are looked for in the new text and
+    the few characters before it only.
     """
 
     def __init__(
@@ -223,35 +229,51 @@ class IncrementalText:
         self._codec = codec
         self._skip = skip_special_tokens
         self._stops = [] if include_stop else list(stop_strings)
+        self._longest = max((len(stop) for stop in self._stops), default=0)
         self._ids: list[int] = []
+        self._context = 0  # the ids from here to ``_read`` are the last chunk decoded: context
+        self._read = 0  # ids before this are in ``_text``
+        self._text = ""  # the text of every id before ``_read``
+        self._cut: int | None = None  # where a stop string begins, once one appeared
         self.sent = ""
 
     def add(self, ids: Sequence[int], *, final: bool = False) -> str:
         """Take new token ids; the text that can be sent now (all of it when ``final``)."""
         self._ids.extend(ids)
-        text = self._codec.decode(self._ids, skip_special_tokens=self._skip)
-        cut = min((text.find(s) for s in self._stops if s in text), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-        elif not final:
-            text = text.rstrip("\ufffd")
-            hold = max((len(s) - 1 for s in self._stops), default=0)
-            if hold:
-                text = text[: max(len(self.sent), len(text) - hold)]
-        # A later token may change text already sent (rare; e.g. a merged space): send only
-        # what follows what both agree on, never take sent text back.
-        delta = text[len(_common_prefix(text, self.sent)) :]
+        if self._cut is None:
+            self._decode_new(final)
+            self._find_stop()
+        if self._cut is not None:
+            text = self._text[: self._cut]
+        elif final:
+            text = self._text
+        else:
+            hold = self._longest - 1 if self._longest else 0
+            text = self._text[: max(len(self.sent), len(self._text) - hold)]
+        delta = text[len(self.sent) :]
         self.sent += delta
         return delta
 
+    def _decode_new(self, final: bool) -> None:
+        """Append the text of the ids past ``_read``, unless it ends inside a character."""
+        if self._read == len(self._ids):
+            return
+        before = self._codec.decode(
+            self._ids[self._context : self._read], skip_special_tokens=self._skip
+        )
+        after = self._codec.decode(self._ids[self._context :], skip_special_tokens=self._skip)
+        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
+            self._text += after[len(before) :]
+            self._context, self._read = self._read, len(self._ids)
 
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
+    def _find_stop(self) -> None:
+        """Where the first stop string begins, looked for where a new one could be."""
+        if not self._stops:
+            return
+        start = max(0, len(self.sent) - self._longest)
+        found = [at for stop in self._stops if (at := self._text.find(stop, start)) >= 0]
+        if found:
+            self._cut = min(found)
 
 
 def _token_text(value: Any) -> str | None:

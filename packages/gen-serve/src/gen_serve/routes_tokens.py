@@ -22,7 +22,12 @@ from gen_serve.common import (
     text_decoder,
 )
 from gen_serve.errors import ApiError
-from gen_serve.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from gen_serve.protocol import (
+    DetokenizeRequest,
+    GenerateRequest,
+    GenerateSampling,
+    TokenizeRequest,
+)
 from gen_serve.responses import (
     chat_logprobs,
     created,
@@ -151,10 +156,12 @@ def _generate_choice(
     final: bool,
     start: int = 0,
     text: str | None = None,
+    params: GenerateSampling | None = None,
 ) -> dict[str, Any]:
     """Row ``row``'s choice with its tokens from ``start`` (a stream's new ones); ``text`` is
-    their text when streamed (else the row's text is decoded whole)."""
-    params = req.sampling()
+    their text when streamed (else the row's text is decoded whole). ``params``: the request's
+    sampling, already read (a stream reads it once, not per chunk)."""
+    params = params if params is not None else req.sampling()
     choice: dict[str, Any] = {
         "index": row,
         "finish_reason": outcome.finish_reason if final else None,
@@ -225,6 +232,7 @@ async def _generate_stream(
                 final=event.finished,
                 start=len(outcome.token_ids) - len(event.token_ids),
                 text=text,
+                params=params,
             )
         ]
         yield sse(chunk)

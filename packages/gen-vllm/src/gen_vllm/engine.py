@@ -49,9 +49,14 @@ class EngineLimits:
 class StepOutput:
     """What one engine step produced for one request.
 
+    A request added with ``stream=True`` reports each step's new tokens; any other reports once,
+    when it finishes, with every token it generated (``whole``): the engine then does no
+    per-step work for it beyond vLLM's own.
+
     Attributes:
         request_id: the request's id.
-        token_ids: tokens generated in this step (usually one).
+        token_ids: tokens generated in this step (usually one), or every token of the row when
+            ``whole``.
         logprobs: their log-probabilities.
         finish_reason: None while the request runs; why it ended once it did, as vLLM says it
             (``"stop"``, ``"length"``, ``"abort"``, or another reason such as ``"error"``,
@@ -67,6 +72,9 @@ class StepOutput:
         routed_experts: once the request finished, with vLLM's own routed-experts option
             (GPU): int ``[positions read, layers, top_k]`` (``CompletionOutput.routed_experts``);
             None otherwise.
+        whole: ``token_ids`` are the row's every token, not only this step's.
+        weight_versions: the weight version that produced each of ``token_ids`` (vLLM's own
+            spans), or None: this step's tokens, all from the weights in force now.
     """
 
     request_id: str
@@ -80,6 +88,8 @@ class StepOutput:
     prompt_topk_logprobs: list[list[float]] | None = None
     cached_tokens: int | None = None
     routed_experts: Any = None
+    whole: bool = False
+    weight_versions: list[int] | None = None
 
 
 class EngineProtocol(Protocol):
@@ -87,14 +97,21 @@ class EngineProtocol(Protocol):
 
     limits: EngineLimits
 
-    def add_request(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> None:
-        """Queue a request; ``params`` are ``SamplingParams`` keyword arguments."""
+    def add_request(
+        self, request_id: str, prompt: list[int], params: dict[str, Any], stream: bool = False
+    ) -> None:
+        """Queue a request; ``params`` are ``SamplingParams`` keyword arguments. ``stream``: it
+        reports every step's new tokens; otherwise only its whole result when it finishes."""
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduling step; outputs of every request that advanced."""
+        """Run one scheduling step; outputs of the streaming requests that advanced and of
+        every request that finished."""
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Drop requests; they produce no further output."""
+    def abort(self, request_ids: list[str]) -> list[StepOutput]:
+        """Drop requests; they produce no further output. Returns, for each request that was
+        still running, its final output: finish reason ``"abort"``, and the tokens it had
+        generated (all of them, ``whole``, for a request that does not stream; none for one
+        that does, whose tokens were reported step by step)."""
 
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running."""
@@ -135,7 +152,13 @@ EngineFactory = Callable[[str, dict[str, Any]], EngineProtocol]
 
 
 class VllmEngine:
-    """A vLLM v1 ``LLMEngine`` in this process, with this project's worker extension."""
+    """A vLLM v1 ``LLMEngine`` in this process, with this project's worker extension.
+
+    Rows that do not stream are added with ``FINAL_ONLY`` outputs and flat logprobs, so vLLM
+    builds nothing per step for them and this class reads each one once, when it ends, from
+    flat lists: the sampled token's logprob, its top-k and the weight version of every token
+    (vLLM's own spans, labelled by ``set_weight_version``).
+    """
 
     def __init__(self, model: str, engine_args: dict[str, Any]):
         from vllm.engine.arg_utils import EngineArgs
@@ -144,8 +167,9 @@ class VllmEngine:
 
         args = EngineArgs(model=model, worker_extension_cls=EXTENSION_CLASS, **engine_args)
         self._engine = LLMEngine.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
-        # each running request's (top logprobs, top prompt logprobs)
-        self._top_k: dict[str, tuple[int, int]] = {}
+        self._engine.set_weight_version("0")  # every token carries a version from the start
+        # each running request's (top logprobs, top prompt logprobs, streams)
+        self._requests: dict[str, tuple[int, int, bool]] = {}
         config = self._engine.model_config
         self.limits = EngineLimits(
             vocab_size=config.get_vocab_size(),
@@ -154,71 +178,78 @@ class VllmEngine:
             model=model,
         )
 
-    def add_request(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], params: dict[str, Any], stream: bool = False
+    ) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = dict(params)
         adapter = params.pop("lora_request", None)  # LoRARequest fields: the adapter served
-        kind = RequestOutputKind.FINAL_ONLY if params.get("prompt_logprobs") is not None else None
-        sampling = SamplingParams(
-            **params, output_kind=kind if kind is not None else RequestOutputKind.DELTA
-        )
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        sampling = SamplingParams(**params, output_kind=kind, flat_logprobs=True)
         self._engine.add_request(
             request_id,
             {"prompt_token_ids": prompt},
             sampling,
             lora_request=None if adapter is None else _lora_request(adapter),
         )
-        self._top_k[request_id] = (
+        self._requests[request_id] = (
             int(params.get("logprobs") or 0),
             int(params.get("prompt_logprobs") or 0),
+            stream,
         )
 
     def step(self) -> list[StepOutput]:
-        outputs = []
-        for request in cast("list[RequestOutput]", self._engine.step()):
-            completion = request.outputs[0]
-            tokens = list(completion.token_ids)
-            positions = list(completion.logprobs or [])
-            logprobs = [_logprob_of(position, token) for position, token in zip(positions, tokens)]
-            k, prompt_k = self._top_k.get(request.request_id, (0, 0))
-            if request.finished:
-                self._top_k.pop(request.request_id, None)
-            prompt_logprobs = prompt_top = None
-            if request.prompt_logprobs is not None:
-                prompt = request.prompt_token_ids or []
-                prompt_logprobs = [
-                    _logprob_of(request.prompt_logprobs[t], prompt[t])
-                    for t in range(1, len(prompt))
-                ]
-                if prompt_k:
-                    prompt_top = [
-                        _top_of(request.prompt_logprobs[t], prompt_k) for t in range(1, len(prompt))
-                    ]
-            outputs.append(
-                StepOutput(
-                    request_id=request.request_id,
-                    token_ids=tokens,
-                    logprobs=logprobs,
-                    finish_reason=(completion.finish_reason or "unknown")
-                    if request.finished
-                    else None,
-                    prompt_logprobs=prompt_logprobs,
-                    topk_ids=[_top_of(p, k)[0] for p in positions] if k else None,
-                    topk_logprobs=[_top_of(p, k)[1] for p in positions] if k else None,
-                    prompt_topk_ids=[ids for ids, _ in prompt_top] if prompt_top else None,
-                    prompt_topk_logprobs=[v for _, v in prompt_top] if prompt_top else None,
-                    cached_tokens=int(request.num_cached_tokens or 0) if request.finished else None,
-                    routed_experts=completion.routed_experts if request.finished else None,
-                )
-            )
-        return outputs
+        return [self._step_output(r) for r in cast("list[RequestOutput]", self._engine.step())]
 
-    def abort(self, request_ids: list[str]) -> None:
+    def _step_output(self, request: RequestOutput) -> StepOutput:
+        completion = request.outputs[0]
+        k, prompt_k, stream = self._requests.get(request.request_id, (0, 0, False))
+        if request.finished:
+            self._requests.pop(request.request_id, None)
+        whole = request.finished and not stream  # a FINAL_ONLY output: every token
+        tokens = list(completion.token_ids)
+        logprobs, topk_ids, topk_logprobs = _sampled(completion.logprobs, tokens, k)
+        prompt_logprobs = prompt_topk_ids = prompt_topk_logprobs = None
+        if request.prompt_logprobs is not None:
+            prompt = list(request.prompt_token_ids or [])
+            prompt_logprobs, prompt_topk_ids, prompt_topk_logprobs = _sampled(
+                request.prompt_logprobs, prompt, prompt_k, first=1
+            )
+        return StepOutput(
+            request_id=request.request_id,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=(completion.finish_reason or "unknown") if request.finished else None,
+            prompt_logprobs=prompt_logprobs,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            prompt_topk_ids=prompt_topk_ids if prompt_k else None,
+            prompt_topk_logprobs=prompt_topk_logprobs if prompt_k else None,
+            cached_tokens=int(request.num_cached_tokens or 0) if request.finished else None,
+            routed_experts=completion.routed_experts if request.finished else None,
+            whole=whole,
+            weight_versions=_versions(completion.weight_versions, len(tokens)) if whole else None,
+        )
+
+    def abort(self, request_ids: list[str]) -> list[StepOutput]:
+        from vllm.v1.engine import FinishReason
+
+        processor = self._engine.output_processor
+        finals = []
+        for request_id in request_ids:
+            for internal in processor.external_req_ids.get(request_id, []):
+                state = processor.request_states.get(internal)
+                if state is None:
+                    continue
+                output = state.make_request_output([], None, FinishReason.ABORT, None)
+                if output is not None:
+                    finals.append(self._step_output(cast("RequestOutput", output)))
         self._engine.abort_request(request_ids)
         for request_id in request_ids:
-            self._top_k.pop(request_id, None)
+            self._requests.pop(request_id, None)
+        return finals
 
     def has_unfinished(self) -> bool:
         return bool(self._engine.has_unfinished_requests())
@@ -255,24 +286,43 @@ class VllmEngine:
         return cast(Any, self._engine.engine_core).engine_core
 
 
-def _top_of(position: Any, k: int) -> tuple[list[int], list[float]]:
-    """The k likeliest tokens of one position and their logprobs, most likely first (vLLM
-    adds the sampled token's own entry, with its rank, when it is not among them)."""
-    ranked = sorted(
-        (entry.rank, token, float(entry.logprob))
-        for token, entry in position.items()
-        if entry.rank is not None and 1 <= entry.rank <= k
+def _sampled(
+    flat: Any, tokens: list[int], k: int, first: int = 0
+) -> tuple[list[float], list[list[int]] | None, list[list[float]] | None]:
+    """The logprob of each of ``tokens[first:]`` and, with ``k``, the k likeliest tokens and
+    their logprobs at each of those positions, from vLLM's flat logprobs (``FlatLogprobs``:
+    per position, the chosen token's entry, then ranks 1 .. k); nothing when none were asked.
+
+    Raises:
+        GenerationError: vLLM's entry at a position is not the token's.
+    """
+    if flat is None:  # not asked for (a scoring request's one token)
+        return [], ([] if k else None), ([] if k else None)
+    starts, values, ids = flat.start_indices, flat.logprobs, flat.token_ids
+    picked = range(first, len(tokens))
+    for t in picked:
+        if ids[starts[t]] != tokens[t]:
+            from gen_interface import GenerationError
+
+            raise GenerationError(f"vLLM returned no logprob for token {tokens[t]}")
+    logprobs = [values[starts[t]] for t in picked]
+    if not k:
+        return logprobs, None, None
+    return (
+        logprobs,
+        [ids[starts[t] + 1 : starts[t] + 1 + k] for t in picked],
+        [values[starts[t] + 1 : starts[t] + 1 + k] for t in picked],
     )
-    return [token for _, token, _ in ranked], [logprob for _, _, logprob in ranked]
 
 
-def _logprob_of(position: Any, token: int) -> float:
-    """The logprob vLLM reports for ``token`` at one position (it always includes that token)."""
-    if position is None or token not in position:
-        from gen_interface import GenerationError
-
-        raise GenerationError(f"vLLM returned no logprob for token {token}")
-    return float(position[token].logprob)
+def _versions(spans: Any, count: int) -> list[int] | None:
+    """Each token's weight version from vLLM's ``WeightVersionSpan``s (None when absent)."""
+    if spans is None:
+        return None
+    versions = [0] * count
+    for span in spans:
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
 
 
 def _lora_request(fields: dict[str, Any]) -> Any:

@@ -1,10 +1,11 @@
 """``EngineLoop``: one engine stepped on its own thread, driven from an asyncio event loop.
 
 The engine is not thread-safe, so one thread owns it: it runs queued commands (add, abort, weight
-loads, sleep, ...) between steps and steps while requests are pending. Coroutines on the worker's
-event loop submit commands and await their results; each request's future resolves when its row
-finishes, so rows come back as they finish, whatever else is running. Rows that asked to stream
-also report each step's new tokens to ``feed``.
+loads, sleep, ...) between steps and steps while requests are pending. Rows reach it in batches
+(``add_rows``: one command for any number of rows) and leave through ``feed``: after each step,
+one ``StepBatch`` with the new tokens of the rows that stream and every row that ended, so the
+driver hears of a whole step in one message. Rows run for the worker itself (``generate``: its
+scoring) resolve a future of their own instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -23,9 +25,9 @@ from gen_backend_kit import FinishReason
 from gen_interface import BackendBrokenError, GenerationError
 
 from gen_vllm.engine import EngineProtocol, StepOutput
-from gen_vllm.messages import RowOutput, RowRequest, TokenDelta
+from gen_vllm.messages import RowFailure, RowOutput, RowRequest, StepBatch, TokenDelta
 from gen_vllm.routing import to_wire
-from gen_vllm.token_feed import TokenFeed
+from gen_vllm.step_feed import StepFeed
 
 __all__ = ["EngineFailedError", "EngineLoop"]
 
@@ -41,12 +43,16 @@ T = TypeVar("T")
 
 @dataclass
 class _Pending:
-    """A request in the engine and what it has produced so far."""
+    """A request in the engine and what it has produced so far.
 
-    future: asyncio.Future[RowOutput]
+    ``future``: where its result goes (a row the worker runs for itself); None: to ``feed``.
+    """
+
+    future: asyncio.Future[RowOutput] | None
     request_id: str
     stream: bool = False
     output: RowOutput = field(default_factory=RowOutput)
+    version: int = 0  # the weights in force when it was added
 
 
 class EngineLoop:
@@ -83,8 +89,9 @@ class EngineLoop:
         self._experts = 0  # experts per MoE layer (the routing's wire dtype)
         #: ``LoRARequest`` fields of the adapter every request is served with, or None.
         self.adapter: dict[str, Any] | None = None
-        #: New tokens of the rows that stream, step by step.
-        self.feed = TokenFeed()
+        #: What each step produced for the rows added with ``add_rows``.
+        self.feed = StepFeed()
+        self._step_out = StepBatch()  # what the step (or command) running now produced
         built: concurrent.futures.Future[EngineProtocol] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(build, num_threads, built), name=name, daemon=True
@@ -94,19 +101,33 @@ class EngineLoop:
 
     # ---- asyncio side --------------------------------------------------------------------
 
+    async def add_rows(self, requests: list[RowRequest]) -> None:
+        """Add rows to the engine in one command, between two steps; their results (and the
+        new tokens of those that stream) come through ``feed``.
+
+        Raises:
+            EngineFailedError: the engine failed earlier; no row was added.
+        """
+
+        def add() -> None:
+            self._check_usable()
+            for request in requests:
+                self._add(request, None)
+
+        await self.call(add)
+
+    def abort_rows(self, request_ids: list[str]) -> None:
+        """Drop rows (the caller gave up on them): they report nothing more."""
+        self.post(lambda: self._abort(request_ids, report=False))
+
     async def generate(self, request: RowRequest) -> RowOutput:
-        """Run one request to its end (or until it is cut short); cancelling aborts it."""
+        """Run one row for this worker to its end (or until it is cut short); cancelling
+        aborts it."""
         future: asyncio.Future[RowOutput] = asyncio.get_running_loop().create_future()
 
         def add() -> None:
             self._check_usable()
-            params = request.params
-            if self._routing == "capture":  # a position read from the cache has no routing
-                params = {**params, "skip_reading_prefix_cache": True}
-            if self.adapter is not None:
-                params = {**params, "lora_request": self.adapter}
-            self.engine.add_request(request.request_id, request.prompt, params)
-            self._pending[request.request_id] = _Pending(future, request.request_id, request.stream)
+            self._add(request, future)
 
         try:
             await self.call(add)
@@ -114,6 +135,17 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.post(lambda: self._abort([request.request_id], report=False))
             raise
+
+    def _add(self, request: RowRequest, future: asyncio.Future[RowOutput] | None) -> None:
+        params = request.params
+        if self._routing == "capture":  # a position read from the cache has no routing
+            params = {**params, "skip_reading_prefix_cache": True}
+        if self.adapter is not None:
+            params = {**params, "lora_request": self.adapter}
+        self.engine.add_request(request.request_id, request.prompt, params, request.stream)
+        self._pending[request.request_id] = _Pending(
+            future, request.request_id, request.stream, version=self._version
+        )
 
     async def call(self, command: Callable[[], T]) -> T:
         """Run ``command`` on the engine thread between steps and return its result."""
@@ -167,6 +199,7 @@ class EngineLoop:
         """End every running request now: each returns its tokens so far as ``"abort"``."""
         ids = list(self._pending)
         self._abort(ids, report=True)
+        self._flush()
         return len(ids)
 
     def capture_routing(self, native: bool = False) -> list[int] | str:
@@ -204,8 +237,11 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     def _fail_all_and_shutdown(self) -> None:
-        self._fail_all("the engine was shut down")
-        self.engine.shutdown()
+        try:
+            self._fail_all("the engine was shut down")
+            self.engine.shutdown()
+        finally:
+            self.feed.close()
 
     # ---- the thread --------------------------------------------------------------------------
 
@@ -254,19 +290,23 @@ class EngineLoop:
             )
             self._fail_all(self._failure, EngineFailedError)
             return
-        deltas: list[TokenDelta] = []
         for step in outputs:
-            self._record(step, deltas)
-        self.feed.push(deltas)
+            self._record(step)
+        self._flush()
 
-    def _record(self, step: StepOutput, deltas: list[TokenDelta]) -> None:
+    def _flush(self) -> None:
+        """Hand what the step (or command) produced to ``feed``, in one push."""
+        out, self._step_out = self._step_out, StepBatch()
+        self.feed.push(out.deltas, out.finished, out.failed)
+
+    def _record(self, step: StepOutput) -> None:
         pending = self._pending.get(step.request_id)
         if pending is None:
             return
         if pending.stream and step.token_ids and step.finish_reason is None:
             # A finishing step's tokens travel with the row's result: the stream's last event
             # then holds the last token and the finish together.
-            deltas.append(
+            self._step_out.deltas.append(
                 TokenDelta(
                     step.request_id,
                     step.token_ids,
@@ -276,14 +316,20 @@ class EngineLoop:
                 )
             )
         out = pending.output
-        out.token_ids.extend(step.token_ids)
-        out.logprobs.extend(step.logprobs)
-        out.weight_versions.extend([self._version] * len(step.token_ids))
-        if step.topk_ids is not None and step.topk_logprobs is not None:
-            if out.topk_ids is None or out.topk_logprobs is None:
-                out.topk_ids, out.topk_logprobs = [], []
-            out.topk_ids.extend(step.topk_ids)
-            out.topk_logprobs.extend(step.topk_logprobs)
+        if step.whole:  # the row's every token, reported once, as it ends
+            out.token_ids = step.token_ids
+            out.logprobs = step.logprobs
+            out.weight_versions = step.weight_versions or [self._version] * len(step.token_ids)
+            out.topk_ids, out.topk_logprobs = step.topk_ids, step.topk_logprobs
+        else:
+            out.token_ids.extend(step.token_ids)
+            out.logprobs.extend(step.logprobs)
+            out.weight_versions.extend([self._version] * len(step.token_ids))
+            if step.topk_ids is not None and step.topk_logprobs is not None:
+                if out.topk_ids is None or out.topk_logprobs is None:
+                    out.topk_ids, out.topk_logprobs = [], []
+                out.topk_ids.extend(step.topk_ids)
+                out.topk_logprobs.extend(step.topk_logprobs)
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = step.prompt_logprobs
             out.prompt_topk_ids = step.prompt_topk_ids
@@ -295,8 +341,8 @@ class EngineLoop:
         if step.finish_reason is not None:
             del self._pending[step.request_id]
             if step.finish_reason not in get_args(FinishReason):
-                _fail(
-                    pending.future,
+                self._fail(
+                    pending,
                     GenerationError(
                         f"vLLM ended request {step.request_id} for {step.finish_reason!r} after "
                         f"{len(out.token_ids)} tokens: the row failed inside the engine"
@@ -310,21 +356,38 @@ class EngineLoop:
         live = [i for i in request_ids if i in self._pending]
         if not live:
             return
-        self.engine.abort(live)
+        finals = {final.request_id: final for final in self.engine.abort(live)}
         for request_id in live:
-            pending = self._pending.pop(request_id)
+            pending = self._pending[request_id]
             if report:
+                final = finals.get(request_id)
+                if final is not None:
+                    self._record(dataclasses.replace(final, finish_reason=None))
+                del self._pending[request_id]
                 pending.output.finish_reason = "abort"
                 self._finish(pending)
+            else:
+                del self._pending[request_id]
         if not report:
             self._take_routing(live)
 
     def _finish(self, pending: _Pending) -> None:
         out = pending.output
-        out.weight_version = out.weight_versions[0] if out.weight_versions else self._version
+        out.weight_version = out.weight_versions[0] if out.weight_versions else pending.version
         if self._routing == "capture":
             out.routed_experts = self._take_routing([pending.request_id]).get(pending.request_id)
-        _resolve(pending.future, out)
+        if pending.future is not None:
+            _resolve_future(pending.future, out)
+        else:
+            self._step_out.finished.append((pending.request_id, out))
+
+    def _fail(self, pending: _Pending, error: GenerationError) -> None:
+        if pending.future is not None:
+            _fail_future(pending.future, error)
+        else:
+            self._step_out.failed.append(
+                RowFailure(pending.request_id, str(error), isinstance(error, EngineFailedError))
+            )
 
     def _take_routing(self, request_ids: list[str]) -> dict[str, bytes]:
         """The routing of ended requests (forgotten by the worker); nothing when not read."""
@@ -338,14 +401,15 @@ class EngineLoop:
         with contextlib.suppress(Exception):  # an engine that failed may not answer
             self._take_routing(list(pending))
         for item in pending.values():
-            _fail(item.future, error(f"vLLM engine: {reason}"))
+            self._fail(item, error(f"vLLM engine: {reason}"))
+        self._flush()
 
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise EngineFailedError(f"this vLLM engine is unusable: {self._failure}")
 
 
-def _resolve(future: asyncio.Future[RowOutput], value: RowOutput) -> None:
+def _resolve_future(future: asyncio.Future[RowOutput], value: RowOutput) -> None:
     loop = future.get_loop()
 
     def set_result() -> None:
@@ -355,7 +419,7 @@ def _resolve(future: asyncio.Future[RowOutput], value: RowOutput) -> None:
     loop.call_soon_threadsafe(set_result)
 
 
-def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+def _fail_future(future: asyncio.Future[Any], error: BaseException) -> None:
     loop = future.get_loop()
 
     def set_exception() -> None:

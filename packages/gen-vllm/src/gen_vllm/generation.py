@@ -7,7 +7,9 @@ replicas, scores, sleep and wake, and the workers' side of an update (``update_s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, cast
 
@@ -37,15 +39,15 @@ from gen_interface.weights.handles import WeightHandles
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
 from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
+from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for, engine_env, routing_mode
 from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens, TokenDelta
 from gen_vllm.params import row_sampling_params
 from gen_vllm.receive import LoadInfo
 from gen_vllm.replicas import ReplicaSet, Timeouts
-from gen_vllm.router import RowRouter
+from gen_vllm.router import RowItem, RowRouter
 from gen_vllm.routing import read_routing
-from gen_vllm.token_streams import TokenStreams
 from gen_vllm.update_steps import ReplicaUpdateSteps
 
 __all__ = ["VllmGeneration"]
@@ -128,7 +130,7 @@ class VllmGeneration(GenerationBackend):
         adapter = self._serve_adapter(config, checkpoint) if config.get("lora") else {}
         self._loop = BackgroundLoop()
         self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
-        self._token_streams = TokenStreams(self.replicas)
+        self._delivery = DeliveryTimes()
         self._calls = itertools.count()
         self._updates = ReplicaUpdateSteps(self.replicas)
         self._trust_remote_code = bool(engine_args.get("trust_remote_code", False))
@@ -263,50 +265,38 @@ class VllmGeneration(GenerationBackend):
         every call and front end; rows of a closed ``generate_async`` leave at once."""
         return self.replicas.rows_in_flight()
 
-    # ---- generation: every row its own request, routed to the least-loaded replica ---------
+    # ---- generation: rows spread over the replicas, results streamed back per step ----------
 
     def _run_rows(self, call: GenerationCall, control: RowControl) -> Sequence[RowResult | None]:
         requests, costs = self._requests(call)
         rows: list[RowResult | None] = [None] * call.size
         for index, row in self._loop.run(self._collect(requests, costs)):
-            rows[index] = _row_result(row, self._routing)
+            rows[index] = _row_result(cast(RowOutput, row), self._routing)
         return rows
-
-    async def _stream_rows(self, call: GenerationCall) -> AsyncIterator[tuple[int, RowResult]]:
-        requests, costs = self._requests(call)
-        rows = self._loop.stream(
-            lambda: self._router.run(requests, costs, self.replicas.timeouts.generate_s)
-        )
-        async for index, row in rows:
-            yield index, _row_result(row, self._routing)
 
     async def _stream_events(
         self, call: GenerationCall, *, tokens: bool = True
     ) -> AsyncIterator[tuple[int, RowEvent | RowResult]]:
-        if not tokens:
-            async for whole_row in self._stream_rows(call):
-                yield whole_row
-            return
-        requests, costs = self._requests(call, stream=True)
+        requests, costs = self._requests(call, stream=tokens)
         timeout_s = self.replicas.timeouts.generate_s
-        steps = self._loop.stream(
-            lambda: self._token_streams.run(requests, self._router.run(requests, costs, timeout_s))
-        )
-        async for index, step in steps:
-            if isinstance(step, TokenDelta):
-                no_top: list[list[Any]] = [[] for _ in step.token_ids]
-                yield (
-                    index,
-                    RowEvent(
+        deliveries = self._loop.stream(lambda: self._router.run(requests, costs, timeout_s))
+        async for delivery in deliveries:
+            self._delivery.record(time.time() - delivery.ended)
+            for index, step in delivery.items:
+                if isinstance(step, TokenDelta):
+                    no_top: list[list[Any]] = [[] for _ in step.token_ids]
+                    yield (
                         index,
-                        step.token_ids,
-                        step.logprobs,
-                        step.topk_ids or no_top,
-                        step.topk_logprobs or no_top,
-                    ),
-                )
-            else:
-                yield index, _row_result(step, self._routing)
+                        RowEvent(
+                            index,
+                            step.token_ids,
+                            step.logprobs,
+                            step.topk_ids or no_top,
+                            step.topk_logprobs or no_top,
+                        ),
+                    )
+                else:
+                    yield index, _row_result(step, self._routing)
 
     def _requests(
         self, call: GenerationCall, *, stream: bool = False
@@ -327,11 +317,16 @@ class VllmGeneration(GenerationBackend):
         ]
         return requests, [p["max_tokens"] for p in params]
 
-    async def _collect(
-        self, requests: list[RowRequest], costs: list[int]
-    ) -> list[tuple[int, RowOutput]]:
+    async def _collect(self, requests: list[RowRequest], costs: list[int]) -> list[RowItem]:
         timeout_s = self.replicas.timeouts.generate_s
-        return [item async for item in self._router.run(requests, costs, timeout_s)]
+        items: list[RowItem] = []
+        # aclosing: a cancelled call (Ctrl-C in generate) closes the router's iterator at once,
+        # so its rows are aborted in the engines now, not whenever the iterator is collected
+        async with contextlib.aclosing(self._router.run(requests, costs, timeout_s)) as rows:
+            async for delivery in rows:
+                self._delivery.record(time.time() - delivery.ended)
+                items.extend(delivery.items)
+        return items
 
     def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
         shards: list[BatchedDataDict[Any]] = BatchedDataDict(
@@ -347,17 +342,20 @@ class VllmGeneration(GenerationBackend):
         ]
 
     def _extra_metrics(self, clear: bool = False) -> dict[str, int | float]:
-        """Tokens generated by each replica since the last clear, and the prompt tokens of
+        """Tokens generated by each replica since the last clear, the prompt tokens of
         generated rows that vLLM's prefix caches were asked for and held (its own
-        ``num_cached_tokens`` per request)."""
+        ``num_cached_tokens`` per request), and how long the engines' outputs took from the end
+        of the step that made them to this process's caller (``delivery.py``)."""
         router = self._router
         if clear:
             router.tokens = [0] * len(router.tokens)
             router.prompt_tokens = router.cached_tokens = 0
+            self._delivery.clear()
         return {
             **{f"replica_{i}_tokens_generated_total": n for i, n in enumerate(router.tokens)},
             "prefix_cache_queries_total": router.prompt_tokens,
             "prefix_cache_hits_total": router.cached_tokens,
+            **self._delivery.snapshot(),
         }
 
     def _text_codec(self) -> TextCodec | None:

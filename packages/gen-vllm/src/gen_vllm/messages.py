@@ -10,7 +10,16 @@ from typing import Any, TypedDict
 
 from gen_backend_kit import FinishReason
 
-__all__ = ["RowOutput", "RowRequest", "ScoredTokens", "TokenDelta", "UpdateReport", "WorkerInfo"]
+__all__ = [
+    "RowFailure",
+    "RowOutput",
+    "RowRequest",
+    "ScoredTokens",
+    "StepBatch",
+    "TokenDelta",
+    "UpdateReport",
+    "WorkerInfo",
+]
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,7 @@ class RowRequest:
         request_id: unique among the requests in flight on a worker.
         prompt: the prompt's token ids.
         params: ``vllm.SamplingParams`` keyword arguments (see ``params.row_sampling_params``).
-        stream: report the row's new tokens as they come (``TokenFeed``), not only at its end.
+        stream: report the row's new tokens step by step, not only its result at its end.
         session: the conversation the row continues (the router's affinity key), or None.
     """
 
@@ -78,6 +87,45 @@ class RowOutput:
     # with return_routed_experts: [positions read, layers, top_k] in the wire dtype
     # (gen_vllm.routing.read_routing)
     routed_experts: bytes | None = None
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """A row that ended without a result.
+
+    Attributes:
+        request_id: the row's request.
+        message: what went wrong.
+        engine_failed: the engine itself failed (its state is unknown: the backend is broken),
+            not only this row.
+    """
+
+    request_id: str
+    message: str
+    engine_failed: bool = False
+
+
+@dataclass
+class StepBatch:
+    """What a worker's engine produced since its last batch: usually one engine step, more
+    when the driver fell behind. One message for every row, whatever their number.
+
+    Attributes:
+        deltas: new tokens of the rows that stream, in step order.
+        finished: each row that ended, with its whole result.
+        failed: each row that ended without one.
+        ended: when the batch's last step ended (``time.time()``, comparable across the
+            machines of a cluster whose clocks are synchronised): what the driver measures
+            its delivery from.
+    """
+
+    deltas: list[TokenDelta] = field(default_factory=list)
+    finished: list[tuple[str, RowOutput]] = field(default_factory=list)
+    failed: list[RowFailure] = field(default_factory=list)
+    ended: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas or self.finished or self.failed)
 
 
 class ScoredTokens(TypedDict):

@@ -121,13 +121,18 @@ class ReplicaSet:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, replica: int, request: RowRequest) -> Any:
-        """Start one row on ``replica``; returns its Ray ``ObjectRef`` (await it, or cancel it)."""
-        return self.actors[replica].generate.remote(request)
+    def add_rows(self, replica: int, requests: list[RowRequest]) -> Any:
+        """Add rows to ``replica``'s engine in one call; returns its Ray ``ObjectRef``."""
+        return self.actors[replica].add_rows.remote(requests)
 
-    def token_deltas(self, replica: int, timeout_s: float) -> Any:
-        """Poll ``replica`` for its streaming rows' new tokens; returns the ``ObjectRef``."""
-        return self.actors[replica].token_deltas.remote(timeout_s)
+    def abort_rows(self, replica: int, request_ids: list[str]) -> Any:
+        """Drop rows from ``replica``'s engine; returns the call's ``ObjectRef``."""
+        return self.actors[replica].abort_rows.remote(request_ids)
+
+    def outputs(self, replica: int) -> Any:
+        """``replica``'s stream of ``StepBatch``es (a Ray ``ObjectRefGenerator``: iterate it
+        asynchronously and await each ref). Open one per replica."""
+        return self.actors[replica].outputs.options(num_returns="streaming").remote()
 
     def rows_in_flight(self) -> list[int]:
         """How many rows each replica's engine holds now."""

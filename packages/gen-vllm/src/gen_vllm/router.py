@@ -1,11 +1,17 @@
-"""``RowRouter``: rows go to the replica with the least outstanding work and come back as they
-finish.
+"""``RowRouter``: rows go to the replica with the least outstanding work, in batches, and come
+back through one stream per replica as they finish.
 
-Every row is its own request to a worker, so one replica with long rows never holds up the rows
-of another, and the caller sees each row as soon as it ends. A replica takes at most
-``capacity`` rows at once (its engine's ``max_num_seqs``); rows beyond that wait here and go to
-whichever replica frees a slot first, so uneven row lengths even out across replicas. The load
-counts are shared by every call in flight, so concurrent calls balance against each other.
+A call's rows are spread over the replicas by their outstanding work and sent to each replica
+in one ``add_rows`` call. Each replica pushes what its engine produces through one stream
+(``VllmGenerationWorker.outputs``): one message per engine step for all its rows, whichever
+calls they belong to. One reader per replica hands each finished row (and each new token of a
+row that streams) to its call, a batch per call per message. So nothing on the token path costs
+a Ray call per row, per token or per poll.
+
+A replica takes at most ``capacity`` rows at once (its engine's ``max_num_seqs``); rows beyond
+that wait here and go to whichever replica frees a slot first, so uneven row lengths even out
+across replicas. The load counts are shared by every call in flight, so concurrent calls balance
+against each other.
 
 A row of a session (``RowRequest.session``: turn k+1 of a conversation, whose prompt begins
 with turn k's) goes to the replica that served the session's last row, whose prefix cache holds
@@ -20,16 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict, deque
+import logging
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from gen_interface import GenerationError
 
-from gen_vllm.messages import RowOutput, RowRequest
+from gen_vllm.engine_loop import EngineFailedError
+from gen_vllm.messages import RowOutput, RowRequest, StepBatch, TokenDelta
 from gen_vllm.replicas import ReplicaSet, translate_ray_error
 
-__all__ = ["AFFINITY_SLACK_TOKENS", "MAX_SESSIONS", "RowRouter"]
+__all__ = ["AFFINITY_SLACK_TOKENS", "MAX_SESSIONS", "Delivery", "RowItem", "RowRouter"]
+
+logger = logging.getLogger(__name__)
 
 #: Outstanding tokens a session's replica may carry beyond twice the least-loaded replica's
 #: before the session's next row goes elsewhere: a cached prefix saves its prefill, about one
@@ -37,6 +48,31 @@ __all__ = ["AFFINITY_SLACK_TOKENS", "MAX_SESSIONS", "RowRouter"]
 AFFINITY_SLACK_TOKENS = 1024
 #: Sessions remembered (least recently used forgotten first).
 MAX_SESSIONS = 100_000
+
+#: What a call receives: ``(index into its requests, new tokens or the row's result)``.
+RowItem = tuple[int, TokenDelta | RowOutput]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A call's part of one worker message.
+
+    Attributes:
+        items: its rows' new tokens and results, in the order the engine made them.
+        ended: when the engine step that made them ended (``StepBatch.ended``).
+    """
+
+    items: list[RowItem]
+    ended: float
+
+
+@dataclass
+class _Call:
+    """One call's rows in flight: where their items go."""
+
+    inbox: asyncio.Queue[Delivery | BaseException] = field(default_factory=asyncio.Queue)
+    #: request id -> (index in the call, replica, cost)
+    live: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class RowRouter:
@@ -56,12 +92,17 @@ class RowRouter:
         self.prompt_tokens = 0  # prompt tokens of generated rows (the prefix cache's queries)
         self.cached_tokens = 0  # of those, the tokens the replicas' prefix caches held
         self._homes: OrderedDict[str, int] = OrderedDict()  # session -> its replica
-        self._freed: asyncio.Condition | None = None
+        self._routes: dict[str, tuple[_Call, bool, int]] = {}  # id -> call, streams, prompt len
+        self._readers: list[asyncio.Task[None] | None] = [None] * len(replicas)
+        self._lost: list[GenerationError | None] = [None] * len(replicas)
+        self._freed: asyncio.Event | None = None
 
     async def run(
         self, requests: Sequence[RowRequest], costs: Sequence[int], timeout_s: float
-    ) -> AsyncGenerator[tuple[int, RowOutput], None]:
-        """Yield ``(index into requests, output)`` as each row finishes.
+    ) -> AsyncGenerator[Delivery, None]:
+        """Yield, as they come, ``Delivery``s of ``(index into requests, item)``: a
+        ``TokenDelta`` of a row that streams (``RowRequest.stream``), or a row's ``RowOutput``
+        once it finished; a row's tokens all come before its result.
 
         Args:
             requests: the rows, each with a request id unique among rows in flight.
@@ -69,52 +110,173 @@ class RowRouter:
             timeout_s: the whole call's time limit.
 
         Raises:
-            GenerationError: a worker failed or died, or the call passed ``timeout_s``. Rows
-                still running are cancelled (aborted in their engines) on any exit, including
-                the caller closing the iterator early.
+            GenerationError: a row failed, a worker failed or died, or the call passed
+                ``timeout_s``. Rows still running are aborted in their engines on any exit,
+                including the caller closing the iterator early.
         """
         loop = asyncio.get_running_loop()
-        freed = self._condition()
         deadline = loop.time() + timeout_s
+        call = _Call()
         waiting = deque(range(len(requests)))
-        running: dict[asyncio.Task[RowOutput], tuple[int, int, Any]] = {}
+        finished = 0
         try:
-            while waiting or running:
-                while waiting and (replica := self._pick(requests[waiting[0]].session)) is not None:
-                    index = waiting.popleft()
-                    ref = self._replicas.generate(replica, requests[index])
-                    self._take(replica, costs[index])
-                    running[asyncio.ensure_future(_result(ref))] = (index, replica, ref)
+            while finished < len(requests):
+                self._dispatch(call, waiting, requests, costs)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    raise _timed_out(timeout_s, len(waiting) + len(running), len(requests))
-                if not running:  # every replica is full of other calls' rows
-                    async with freed:
-                        try:
-                            await asyncio.wait_for(freed.wait(), remaining)
-                        except TimeoutError:
-                            raise _timed_out(timeout_s, len(waiting), len(requests)) from None
+                    raise _timed_out(timeout_s, len(requests) - finished, len(requests))
+                if not call.live and call.inbox.empty():
+                    # every replica is full of other calls' rows: wait until one frees a slot
+                    await self._wait_for_room(remaining, timeout_s, len(waiting), len(requests))
                     continue
-                done, _ = await asyncio.wait(
-                    running, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in done:
-                    index, replica, _ = running.pop(task)
-                    await self._give_back(replica, costs[index])
-                    row = task.result()
-                    if row.prompt_logprobs is None:
-                        self.tokens[replica] += len(row.token_ids)
-                        self.prompt_tokens += len(requests[index].prompt)
-                        self.cached_tokens += row.cached_tokens
-                    yield index, row
+                try:
+                    batch = await asyncio.wait_for(call.inbox.get(), remaining)
+                except TimeoutError:
+                    raise _timed_out(timeout_s, len(requests) - finished, len(requests)) from None
+                if isinstance(batch, BaseException):
+                    raise batch
+                finished += sum(isinstance(step, RowOutput) for _, step in batch.items)
+                yield batch
         finally:
-            for task, (index, replica, ref) in running.items():
-                _cancel(ref)
-                task.cancel()
-                self._untake(replica, costs[index])
-            if running:
-                async with freed:
-                    freed.notify_all()
+            self._give_up(call)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def _dispatch(
+        self,
+        call: _Call,
+        waiting: deque[int],
+        requests: Sequence[RowRequest],
+        costs: Sequence[int],
+    ) -> None:
+        """Send as many waiting rows as the replicas have room for, one batch per replica."""
+        batches: dict[int, list[RowRequest]] = defaultdict(list)
+        while waiting and (replica := self._pick(requests[waiting[0]].session)) is not None:
+            index = waiting.popleft()
+            request = requests[index]
+            self._take(replica, costs[index])
+            call.live[request.request_id] = (index, replica, costs[index])
+            self._routes[request.request_id] = (call, request.stream, len(request.prompt))
+            batches[replica].append(request)
+        for replica, batch in batches.items():
+            self._read(replica)
+            lost = self._lost[replica]
+            if lost is not None:
+                self._fail_rows(replica, [r.request_id for r in batch], lost)
+                continue
+            added = self._replicas.add_rows(replica, batch)
+            task = asyncio.ensure_future(self._added(replica, added, batch))
+            task.add_done_callback(_log_unexpected)
+
+    async def _added(self, replica: int, ref: Any, batch: list[RowRequest]) -> None:
+        """Fail the rows of a batch the replica refused (its engine failed, it died)."""
+        try:
+            await ref
+        except Exception as exc:
+            self._fail_rows(
+                replica, [r.request_id for r in batch], translate_ray_error(exc, "generate")
+            )
+
+    async def _wait_for_room(
+        self, remaining: float, timeout_s: float, waiting: int, total: int
+    ) -> None:
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        self._freed.clear()
+        try:
+            await asyncio.wait_for(self._freed.wait(), remaining)
+        except TimeoutError:
+            raise _timed_out(timeout_s, waiting, total) from None
+
+    def _give_up(self, call: _Call) -> None:
+        """Abort the call's rows still in flight and give their room back."""
+        by_replica: dict[int, list[str]] = defaultdict(list)
+        for request_id, (_, replica, cost) in call.live.items():
+            self._routes.pop(request_id, None)
+            self._untake(replica, cost)
+            by_replica[replica].append(request_id)
+        call.live.clear()
+        for replica, ids in by_replica.items():
+            if self._lost[replica] is None:
+                with contextlib.suppress(Exception):  # the worker is gone: nothing runs there
+                    self._replicas.abort_rows(replica, ids)
+        if by_replica:
+            self._room_freed()
+
+    # ---- the replicas' streams -------------------------------------------------------------
+
+    def _read(self, replica: int) -> None:
+        """Start reading ``replica``'s stream unless it is read already."""
+        reader = self._readers[replica]
+        if reader is None or reader.done():
+            self._readers[replica] = asyncio.ensure_future(self._read_stream(replica))
+
+    async def _read_stream(self, replica: int) -> None:
+        try:
+            async for ref in self._replicas.outputs(replica):
+                self._deliver(replica, await ref)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._lose(replica, translate_ray_error(exc, "generate"))
+        else:
+            self._lose(replica, GenerationError("a vLLM worker shut down while rows ran on it"))
+
+    def _deliver(self, replica: int, batch: StepBatch) -> None:
+        """Hand each call its part of one message: one inbox put per call."""
+        parts: dict[int, tuple[_Call, list[RowItem]]] = {}
+
+        def part(call: _Call) -> list[RowItem]:
+            return parts.setdefault(id(call), (call, []))[1]
+
+        for delta in batch.deltas:
+            route = self._routes.get(delta.request_id)
+            if route is not None and route[1]:
+                call = route[0]
+                part(call).append((call.live[delta.request_id][0], delta))
+        for request_id, row in batch.finished:
+            route = self._routes.pop(request_id, None)
+            if route is None:
+                continue  # given up on by its call
+            call, _, prompt_length = route
+            index, _, cost = call.live.pop(request_id)
+            self._untake(replica, cost)
+            if row.prompt_logprobs is None:
+                self.tokens[replica] += len(row.token_ids)
+                self.prompt_tokens += prompt_length
+                self.cached_tokens += row.cached_tokens
+            part(call).append((index, row))
+        for failure in batch.failed:
+            kind = EngineFailedError if failure.engine_failed else GenerationError
+            self._fail_rows(replica, [failure.request_id], kind(failure.message))
+        for call, items in parts.values():
+            call.inbox.put_nowait(Delivery(items, batch.ended))
+        if batch.finished:
+            self._room_freed()
+
+    def _lose(self, replica: int, error: GenerationError) -> None:
+        """``replica``'s stream ended: every row on it fails with ``error``."""
+        self._lost[replica] = error
+        ids = [i for i, (call, _, _) in self._routes.items() if self._on(call, i, replica)]
+        self._fail_rows(replica, ids, error)
+
+    def _fail_rows(self, replica: int, request_ids: list[str], error: GenerationError) -> None:
+        for request_id in request_ids:
+            route = self._routes.pop(request_id, None)
+            if route is None:
+                continue
+            call = route[0]
+            _, _, cost = call.live.pop(request_id)
+            self._untake(replica, cost)
+            call.inbox.put_nowait(error)
+        self._room_freed()
+
+    @staticmethod
+    def _on(call: _Call, request_id: str, replica: int) -> bool:
+        placed = call.live.get(request_id)
+        return placed is not None and placed[1] == replica
+
+    # ---- load ------------------------------------------------------------------------------
 
     def _pick(self, session: str | None) -> int | None:
         """The replica for a row of ``session`` (None: no session), or None when all are full."""
@@ -125,6 +287,7 @@ class RowRouter:
         stays = (
             home is not None
             and self.rows[home] < self._capacity
+            and self._lost[home] is None
             and self.outstanding[home] <= 2 * self.outstanding[least] + AFFINITY_SLACK_TOKENS
         )
         replica = home if stays and home is not None else least
@@ -145,15 +308,9 @@ class RowRouter:
         self.rows[replica] -= 1
         self.outstanding[replica] -= cost
 
-    async def _give_back(self, replica: int, cost: int) -> None:
-        self._untake(replica, cost)
-        async with self._condition():
-            self._condition().notify_all()
-
-    def _condition(self) -> asyncio.Condition:
-        if self._freed is None:
-            self._freed = asyncio.Condition()
-        return self._freed
+    def _room_freed(self) -> None:
+        if self._freed is not None:
+            self._freed.set()
 
 
 def _timed_out(timeout_s: float, unfinished: int, total: int) -> GenerationError:
@@ -163,15 +320,6 @@ def _timed_out(timeout_s: float, unfinished: int, total: int) -> GenerationError
     )
 
 
-async def _result(ref: Any) -> RowOutput:
-    try:
-        return await ref
-    except Exception as exc:
-        raise translate_ray_error(exc, "generate") from exc
-
-
-def _cancel(ref: Any) -> None:
-    import ray
-
-    with contextlib.suppress(Exception):  # the row finished meanwhile, or its worker is gone
-        ray.cancel(ref)
+def _log_unexpected(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("adding rows failed unexpectedly", exc_info=task.exception())

@@ -2,8 +2,10 @@
 
 Everything crossing the actor boundary is plain data (``messages.py``): token-id lists, dicts of
 sampling settings, weight handles. The engine runs in the actor's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the thread of an ``EngineLoop``; the actor's event loop
-serves many requests at once, each answered as its row finishes.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the thread of an ``EngineLoop``. Rows arrive in batches
+(``add_rows``) and leave through one stream per worker (``outputs``): one message per engine
+step for every row, pushed as the step ends; control calls (weights, sleep, scoring) are plain
+actor calls answered by the actor's event loop.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from gen_interface import BackendUnavailableError, InFlight
@@ -27,10 +30,9 @@ from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
 from gen_vllm.load_order import LoadOrder
 from gen_vllm.messages import (
-    RowOutput,
     RowRequest,
     ScoredTokens,
-    TokenDelta,
+    StepBatch,
     UpdateReport,
     WorkerInfo,
 )
@@ -164,14 +166,26 @@ class VllmGenerationWorker:
         """Rows this replica's engine holds now (running, queued or paused)."""
         return self._loop.in_flight
 
-    async def generate(self, request: RowRequest) -> RowOutput:
-        """Generate one row; returns when it finishes. Cancelling the call aborts the row."""
-        return await self._loop.generate(request)
+    async def add_rows(self, requests: list[RowRequest]) -> None:
+        """Add rows to the engine, all in one command between two steps; their results come
+        through ``outputs``.
 
-    async def token_deltas(self, timeout_s: float) -> list[TokenDelta]:
-        """The new tokens of streaming rows since the last call, in order; waits up to
-        ``timeout_s`` for some when there are none yet."""
-        return await self._loop.feed.take(timeout_s)
+        Raises:
+            EngineFailedError: the engine failed earlier; none was added.
+        """
+        await self._loop.add_rows(requests)
+
+    async def abort_rows(self, request_ids: list[str]) -> None:
+        """Drop rows the driver gave up on; they report nothing more."""
+        self._loop.abort_rows(request_ids)
+
+    async def outputs(self) -> AsyncIterator[StepBatch]:
+        """What the engine produces, pushed as it comes: one ``StepBatch`` per engine step
+        (several steps' worth when the reader falls behind) with the new tokens of the rows
+        that stream and every row that ended. Called once, by the driver, as a Ray streaming
+        generator; ends when the engine shuts down."""
+        while (batch := await self._loop.feed.take()) is not None:
+            yield batch
 
     async def score(
         self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 0

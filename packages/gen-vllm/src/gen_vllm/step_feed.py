@@ -1,0 +1,81 @@
+"""``StepFeed``: what an engine's steps produced, from the engine's thread to the driver.
+
+The engine thread adds each step's output (the new tokens of rows that stream, the rows that
+finished or failed); the worker's ``outputs`` stream takes everything added since it last took,
+or waits for the next step. So the driver receives one message per engine step for all rows,
+pushed as the step ends, and several steps in one message when it falls behind: the cost is
+per message, never per row or per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+
+from gen_vllm.messages import RowFailure, RowOutput, StepBatch, TokenDelta
+
+__all__ = ["StepFeed"]
+
+
+class StepFeed:
+    """A thread-safe ``StepBatch`` being filled, with one asynchronous reader at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._batch = StepBatch()
+        self._closed = False
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+
+    def push(
+        self,
+        deltas: Sequence[TokenDelta] = (),
+        finished: Sequence[tuple[str, RowOutput]] = (),
+        failed: Sequence[RowFailure] = (),
+    ) -> None:
+        """Add one step's output (from any thread) and wake the waiting reader."""
+        if not (deltas or finished or failed):
+            return
+        ended = time.time()
+        with self._lock:
+            self._batch.deltas.extend(deltas)
+            self._batch.finished.extend(finished)
+            self._batch.failed.extend(failed)
+            self._batch.ended = ended
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _wake(waiter)
+
+    def close(self) -> None:
+        """End the feed: the reader gets what is left, then None."""
+        with self._lock:
+            self._closed = True
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _wake(waiter)
+
+    async def take(self) -> StepBatch | None:
+        """Everything added since the last ``take``; waits for the next step when nothing is
+        there yet. None once the feed is closed and empty."""
+        while True:
+            with self._lock:
+                if self._batch or self._closed:
+                    batch, self._batch = self._batch, StepBatch()
+                    return batch if batch else None
+                loop = asyncio.get_running_loop()
+                future: asyncio.Future[None] = loop.create_future()
+                self._waiter = (loop, future)
+            await future
+
+
+def _wake(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]) -> None:
+    loop, future = waiter
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    with contextlib.suppress(RuntimeError):  # the reader's loop is closed: nobody waits
+        loop.call_soon_threadsafe(settle)
