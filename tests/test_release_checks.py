@@ -149,15 +149,25 @@ def test_a_release_is_a_dated_changelog_a_commit_and_a_tag_found_again_without_t
     untagged_repo,
 ):
     release = _release_module()
-    version = packages(untagged_repo)["gen-backend-kit"].version
-    assert release.release("gen-backend-kit", root=untagged_repo) == f"gen-backend-kit-v{version}"
+    released = packages(untagged_repo)["gen-backend-kit"].version
+    version = Version(f"{released.major}.{released.minor}.{released.micro + 1}")
+    changelog_path = untagged_repo / "packages/gen-backend-kit/CHANGELOG.md"
+    changelog_path.write_text(
+        changelog_path.read_text().replace(
+            "# Changelog\n", f"# Changelog\n\n## {version} (unreleased)\n\n- a fix\n", 1
+        )
+    )
+    tag = release.release("gen-backend-kit", version, root=untagged_repo)
+    assert tag == f"gen-backend-kit-v{version}"
+    pyproject = (untagged_repo / "packages/gen-backend-kit/pyproject.toml").read_text()
+    assert f'version = "{version}"' in pyproject
     assert _git(untagged_repo, "log", "-1", "--format=%s").strip() == (
         f"Release gen-backend-kit {version}"
     )
-    changelog = (untagged_repo / "packages/gen-backend-kit/CHANGELOG.md").read_text()
+    changelog = changelog_path.read_text()
     assert re.search(rf"^## {re.escape(str(version))} \(\d{{4}}-\d\d-\d\d\)$", changelog, re.M)
     with pytest.raises(SystemExit, match="exists"):
-        release.release("gen-backend-kit", root=untagged_repo)
+        release.release("gen-backend-kit", version, root=untagged_repo)
     # A clone that came without tags finds the release by its commit and tags it again.
     _git(untagged_repo, "tag", "-d", f"gen-backend-kit-v{version}")
     assert version in tagged_versions("gen-backend-kit", untagged_repo)
