@@ -169,6 +169,10 @@ class Bare:
         self.loop.run(self.async_llm.reset_prefix_cache())
         return self.loop.run(_run_async(self.async_llm, prompts, params))
 
+    def close(self) -> None:
+        if self.loop is not None:
+            self.async_llm.shutdown()
+
 
 async def _build_async(cls: Any, args: Any) -> Any:
     return cls.from_engine_args(args)
@@ -269,6 +273,7 @@ def measure(model_name: str, args: argparse.Namespace) -> list[Figure]:
                 figures.append(figure)
     finally:
         ours.close()
+        bare.close()
     return figures
 
 

@@ -28,6 +28,7 @@ def test_defaults_are_filled_and_the_argument_is_not_changed():
         ("gpu_memory_utilization", 1.5),
         ("max_model_len", -1),
         ("cpu_kv_cache_gib", 0),
+        ("cpu_threads", 0),
         ("enforce_eager", "yes"),
         ("load_tokenizer", "maybe"),
         ("engine_kwargs", {"block_size": 32}),
@@ -91,3 +92,10 @@ def test_batch_invariant_is_refused_on_cpu_before_any_engine_starts(ray_session)
         with pytest.raises(BackendUnavailableError, match=r"needs CUDA.*backend 'hf'"):
             VllmGeneration(cluster, config)
         assert set(ray_session.util.list_named_actors()) == before  # nothing was started
+
+
+def test_a_cpu_engine_leaves_one_core_of_its_share_to_scheduling_and_messages():
+    from gen_vllm.worker import engine_threads
+
+    assert [engine_threads(cores, None) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert engine_threads(2, 2) == 2, "vllm_cfg.cpu_threads decides when given"

@@ -41,6 +41,7 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
             "gpu_memory_utilization": st.floats(0.01, 1.0),
             "max_model_len": st.none() | st.integers(1, 10**6),
             "cpu_kv_cache_gib": st.floats(0.01, 64.0),
+            "cpu_threads": st.none() | st.integers(1, 256),
             "kv_cache_dtype": st.sampled_from(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
             "enforce_eager": st.booleans(),
             "enable_prefix_caching": st.booleans(),

@@ -101,7 +101,8 @@ def test_a_call_whose_rows_run_too_long_times_out_and_aborts_them():
 
 async def _drain(router: RowRouter, call: str, timeout_s: float) -> list[int]:
     requests = [RowRequest(f"{call}-{i}", [1, 2], {"max_tokens": 4}) for i in range(2)]
-    return [i async for d in router.run(requests, [4, 4], timeout_s) for i, _ in d.items]
+    loop = asyncio.get_running_loop()
+    return [i async for d in router.run(requests, [4, 4], timeout_s, loop) for i, _ in d.items]
 
 
 def _call(router: RowRouter, sessions: list[str | None], cost: int = 4) -> None:
@@ -111,7 +112,9 @@ def _call(router: RowRouter, sessions: list[str | None], cost: int = 4) -> None:
     ]
 
     async def drain() -> None:
-        async for _ in router.run(requests, [cost] * len(requests), 5.0):
+        async for _ in router.run(
+            requests, [cost] * len(requests), 5.0, asyncio.get_running_loop()
+        ):
             pass
 
     asyncio.run(drain())

@@ -69,7 +69,9 @@ def test_each_call_gets_its_own_rows_tokens_before_their_results_in_one_batch_pe
         got_b: list[list[object]] = []
 
         async def run(requests: list[RowRequest], into: list[list[object]]) -> None:
-            async for batch in router.run(requests, [4] * len(requests), 5.0):
+            async for batch in router.run(
+                requests, [4] * len(requests), 5.0, asyncio.get_running_loop()
+            ):
                 into.append([(i, type(step).__name__) for i, step in batch.items])
 
         tasks = [asyncio.ensure_future(run(a, got_a)), asyncio.ensure_future(run(b, got_b))]
@@ -109,5 +111,38 @@ def test_rows_of_a_replica_that_dies_fail_their_call_with_a_generation_error():
 
 
 async def _drain(router: RowRouter) -> None:
-    async for _ in router.run(_requests("c", 2, stream=False), [4, 4], 5.0):
+    async for _ in router.run(
+        _requests("c", 2, stream=False), [4, 4], 5.0, asyncio.get_running_loop()
+    ):
         pass
+
+
+def test_a_call_on_another_threads_loop_gets_its_items_from_the_drivers_loop():
+    """The router lives on the driver's loop; a caller iterates on its own: items cross once."""
+    from gen_vllm.background_loop import BackgroundLoop
+
+    driver = BackgroundLoop(name="test-driver")
+    replicas = FakeReplicas(1)
+    router = RowRouter(replicas, capacity=8)  # type: ignore[arg-type]
+
+    async def caller() -> list[list[tuple[int, str]]]:
+        got: list[list[tuple[int, str]]] = []
+
+        async def emit_when_running() -> None:
+            while len(replicas.running[0]) < 2:
+                await asyncio.sleep(0.01)
+            replicas.emit(0, tokens={"x-0": [4], "x-1": [5]})
+            replicas.emit(0, finished=["x-0", "x-1"])
+
+        feeding = asyncio.run_coroutine_threadsafe(emit_when_running(), driver.loop)
+        async for batch in router.run(_requests("x", 2, stream=True), [4, 4], 5.0, driver.loop):
+            got.append([(i, type(step).__name__) for i, step in batch.items])
+        feeding.result(5)
+        return got
+
+    try:
+        got = asyncio.run(caller())
+    finally:
+        driver.close(timeout_s=1)
+    assert got == [[(0, "TokenDelta"), (1, "TokenDelta")], [(0, "RowOutput"), (1, "RowOutput")]]
+    assert router.rows == [0]

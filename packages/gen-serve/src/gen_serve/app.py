@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 from gen_interface import GenerationInterface
 
 from gen_serve.codec import TextCodec
-from gen_serve.errors import error_body, install_error_handlers
+from gen_serve.errors import install_error_handlers
+from gen_serve.guard import RequestGuard
 from gen_serve.metrics import ServerMetrics
 from gen_serve.routes_control import control_router, weight_router
 from gen_serve.routes_info import info_router
@@ -75,27 +74,12 @@ def build_app(
     if settings.weight_routes:
         app.include_router(weight_router(state))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Any:
-        if settings.api_key and request.url.path not in _OPEN:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return JSONResponse(
-                    error_body(401, "a valid API key is needed: Authorization: Bearer <key>"),
-                    status_code=401,
-                )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(
-                error_body(
-                    413,
-                    f"the body is {int(length)} bytes; this server takes at most "
-                    f"{settings.max_body_bytes} (--max-body-bytes)",
-                ),
-                status_code=413,
-            )
-        return await call_next(request)
-
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        open_paths=_OPEN,
+    )
     return app
 
 

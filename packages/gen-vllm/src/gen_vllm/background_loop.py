@@ -1,9 +1,9 @@
 """``BackgroundLoop``: the driver's own asyncio event loop, on a daemon thread.
 
-``VllmGeneration`` has one asynchronous core (routing rows to replicas and awaiting them). The
-synchronous ``generate`` runs it here and waits, so it works from any thread, including one whose
-own event loop is running; ``generate_async`` runs it here too and hands each item over to the
-caller's loop as it arrives.
+``VllmGeneration`` has one asynchronous core (routing rows to replicas, reading their streams),
+which lives on this loop. The synchronous ``generate`` runs a call here and waits, so it works
+from any thread, including one whose own event loop is running; ``generate_async`` and
+``generate_stream`` iterate on the caller's own loop, to which the router hands their items.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["BackgroundLoop"]
@@ -25,8 +25,6 @@ logger = logging.getLogger(__name__)
 #: How long cancelled work may take to clean up (abort its rows) before giving up on it.
 _GRACE_S = 10.0
 
-_DONE = object()
-
 
 class BackgroundLoop:
     """An event loop running on its own thread until ``close()``."""
@@ -36,6 +34,11 @@ class BackgroundLoop:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop itself (to hand work to it from other threads)."""
+        return self._loop
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on this loop and wait for its result (or its exception).
@@ -51,41 +54,6 @@ class BackgroundLoop:
                 future.cancel()
                 concurrent.futures.wait([future], timeout=_GRACE_S)
             raise
-
-    async def stream(self, make: Callable[[], AsyncGenerator[T, None]]) -> AsyncIterator[T]:
-        """Iterate, on the caller's loop, an async iterator that runs on this loop.
-
-        Items are handed over as they come. Closing the returned iterator early (or cancelling
-        the task reading it) closes the source iterator on this loop, so its clean-up runs.
-        """
-        caller = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-
-        async def pump() -> None:
-            source = make()
-            try:
-                async for item in source:
-                    caller.call_soon_threadsafe(queue.put_nowait, item)
-            except Exception as exc:
-                caller.call_soon_threadsafe(queue.put_nowait, _Raised(exc))
-            else:
-                caller.call_soon_threadsafe(queue.put_nowait, _DONE)
-            finally:
-                await source.aclose()  # on cancellation too: the source's clean-up runs
-
-        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
-        try:
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, _Raised):
-                    raise item.error
-                yield item
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.wrap_future(_swallow(task))
 
     def close(self, timeout_s: float = _GRACE_S) -> None:
         """Cancel every task still on the loop, give them ``timeout_s`` to clean up, stop the
@@ -116,11 +84,6 @@ async def _cancel_tasks(timeout_s: float) -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout_s)
-
-
-class _Raised:
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 def _swallow(future: Any) -> Any:

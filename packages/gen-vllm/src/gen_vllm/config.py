@@ -27,6 +27,9 @@ class VllmSpecificArgs(TypedDict, total=False):
     gpu_memory_utilization: float  # CUDA: fraction of each GPU for weights + KV cache (0.8)
     max_model_len: int | None  # longest prompt + generation; None = the model's limit
     cpu_kv_cache_gib: float  # CPU: KV-cache size per engine in GiB (1.0)
+    # CPU: threads of each engine's forward pass; None: the cores of its share of the machine but
+    # one (at least 1), left for scheduling and messages, as vLLM's own server does (None)
+    cpu_threads: int | None
     kv_cache_dtype: KvCacheDtype  # KV-cache element type ("auto": the model's dtype)
     enforce_eager: bool  # no CUDA graphs / torch.compile (True: fast start, needed on CPU)
     enable_prefix_caching: bool  # reuse KV of shared prompt prefixes across calls (True)
@@ -56,6 +59,7 @@ VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
     "gpu_memory_utilization": 0.8,
     "max_model_len": None,
     "cpu_kv_cache_gib": 1.0,
+    "cpu_threads": None,
     "kv_cache_dtype": "auto",
     "enforce_eager": True,
     "enable_prefix_caching": True,
@@ -107,6 +111,8 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
     check_int_setting(cfg, "vllm_cfg", "max_logprobs", minimum=0)
     if cfg["max_model_len"] is not None:
         check_int_setting(cfg, "vllm_cfg", "max_model_len")
+    if cfg["cpu_threads"] is not None:
+        check_int_setting(cfg, "vllm_cfg", "cpu_threads")
     _fraction(cfg, "gpu_memory_utilization")
     _positive_number(cfg, "cpu_kv_cache_gib")
     for key in ("startup_timeout_s", "generate_timeout_s", "update_timeout_s", "control_timeout_s"):

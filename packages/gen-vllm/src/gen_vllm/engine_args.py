@@ -106,6 +106,9 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
         "enable_sleep_mode": sleeps_on_finish(config, use_gpus=use_gpus),
         # Weight updates go through vLLM's transaction with this project's engine (transfer.py).
         "weight_transfer_config": {"backend": "gen"},
+        # vLLM's own statistics cost every step a record; this backend counts what it reports
+        # itself (get_logger_metrics). vllm_kwargs may turn them back on.
+        "disable_log_stats": True,
     }
     if cfg["max_model_len"] is not None:
         args["max_model_len"] = cfg["max_model_len"]

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast, get_args
@@ -280,6 +281,7 @@ class EngineLoop:
         return bool(self._pending) and not self._paused and self._failure is None
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -292,12 +294,12 @@ class EngineLoop:
             return
         for step in outputs:
             self._record(step)
-        self._flush()
+        self._flush(time.perf_counter() - started)
 
-    def _flush(self) -> None:
+    def _flush(self, step_seconds: float | None = None) -> None:
         """Hand what the step (or command) produced to ``feed``, in one push."""
         out, self._step_out = self._step_out, StepBatch()
-        self.feed.push(out.deltas, out.finished, out.failed)
+        self.feed.push(out.deltas, out.finished, out.failed, step_seconds)
 
     def _record(self, step: StepOutput) -> None:
         pending = self._pending.get(step.request_id)
@@ -379,7 +381,7 @@ class EngineLoop:
         if pending.future is not None:
             _resolve_future(pending.future, out)
         else:
-            self._step_out.finished.append((pending.request_id, out))
+            self._step_out.finished.append((pending.request_id, out.packed()))
 
     def _fail(self, pending: _Pending, error: GenerationError) -> None:
         if pending.future is not None:

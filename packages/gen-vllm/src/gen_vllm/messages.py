@@ -1,13 +1,18 @@
 """The plain data that crosses the Ray boundary between ``VllmGeneration`` and its workers.
 
-Only ints, floats, strings, lists and dicts, so nothing depends on pickling vLLM or torch types.
+Only ints, floats, strings, lists, dicts and numpy arrays, so nothing depends on pickling vLLM
+or torch types. A finished row's per-token fields travel as numpy arrays (``RowOutput.packed``):
+pickled as buffers, not as one object per token, they cost a message of 256 rows of 128 tokens
+about a millisecond instead of ten.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+import numpy as np
 from gen_backend_kit import FinishReason
 
 __all__ = [
@@ -88,6 +93,40 @@ class RowOutput:
     # (gen_vllm.routing.read_routing)
     routed_experts: bytes | None = None
 
+    def packed(self) -> RowOutput:
+        """This row with its per-token fields as numpy arrays: ``token_ids`` and
+        ``weight_versions`` int64 ``[g]``, ``logprobs`` float32 ``[g]`` (vLLM's values are
+        float32: nothing is lost), ``topk_ids`` int64 and ``topk_logprobs`` float32 ``[g, k]``.
+        ``unpacked`` gives the lists back."""
+        count = len(self.token_ids)
+        return dataclasses.replace(
+            self,
+            token_ids=np.asarray(self.token_ids, dtype=np.int64),  # type: ignore[arg-type]
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),  # type: ignore[arg-type]
+            weight_versions=np.asarray(self.weight_versions, dtype=np.int64),  # type: ignore[arg-type]
+            topk_ids=None
+            if self.topk_ids is None
+            else np.asarray(self.topk_ids, dtype=np.int64).reshape(count, -1),  # type: ignore[arg-type]
+            topk_logprobs=None
+            if self.topk_logprobs is None
+            else np.asarray(self.topk_logprobs, dtype=np.float32).reshape(count, -1),  # type: ignore[arg-type]
+        )
+
+    def unpacked(self) -> RowOutput:
+        """This row with lists again where ``packed`` made arrays."""
+
+        def listed(value: Any) -> Any:
+            return value.tolist() if isinstance(value, np.ndarray) else value
+
+        return dataclasses.replace(
+            self,
+            token_ids=listed(self.token_ids),
+            logprobs=listed(self.logprobs),
+            weight_versions=listed(self.weight_versions),
+            topk_ids=listed(self.topk_ids),
+            topk_logprobs=listed(self.topk_logprobs),
+        )
+
 
 @dataclass(frozen=True)
 class RowFailure:
@@ -117,12 +156,16 @@ class StepBatch:
         ended: when the batch's last step ended (``time.time()``, comparable across the
             machines of a cluster whose clocks are synchronised): what the driver measures
             its delivery from.
+        steps: engine steps since the previous batch, and ``step_seconds`` the time they took:
+            how busy the engine is, beside how long delivery takes.
     """
 
     deltas: list[TokenDelta] = field(default_factory=list)
     finished: list[tuple[str, RowOutput]] = field(default_factory=list)
     failed: list[RowFailure] = field(default_factory=list)
     ended: float = 0.0
+    steps: int = 0
+    step_seconds: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.deltas or self.finished or self.failed)

@@ -74,10 +74,12 @@ class ReplicaSet:
         timeouts: Timeouts,
         engine_factory: EngineFactory | None = None,
         env: Mapping[str, str] | None = None,
+        cpu_threads: int | None = None,
     ) -> ReplicaSet:
         """Start one actor per engine group of the cluster and wait until every engine is up.
 
-        ``env``: environment variables each worker sets before it imports vLLM.
+        ``env``: environment variables each worker sets before it imports vLLM;
+        ``cpu_threads``: each CPU engine's forward-pass threads (``vllm_cfg.cpu_threads``).
 
         Raises:
             BackendUnavailableError: the layout does not split into engines, an actor name is
@@ -100,6 +102,7 @@ class ReplicaSet:
                         args=(model, engine_args),
                         engine_factory=engine_factory,
                         env=env or {},
+                        cpu_threads=cpu_threads,
                     )
                 )
             logger.info("starting %d vLLM engine(s) for %s", len(groups), model)
@@ -335,6 +338,7 @@ def _start_actor(
     args: tuple[str, dict[str, Any]],
     engine_factory: EngineFactory | None,
     env: Mapping[str, str],
+    cpu_threads: int | None = None,
 ) -> Any:
     """Create one worker actor in the first bundle of ``group`` (its engine's bundles)."""
     bundle = group[0]
@@ -354,7 +358,7 @@ def _start_actor(
             # No runtime_env: the worker sets ``env`` itself before it imports vLLM, so Ray can
             # hand the actor a worker process it already started (about 5 s less per engine
             # than a process started for a runtime_env of its own).
-        ).remote(*args, _cpu_ids_for(cluster, bundle), env, engine_factory)
+        ).remote(*args, _cpu_ids_for(cluster, bundle), env, engine_factory, cpu_threads)
     except ValueError as exc:  # Ray refuses before creating anything
         clash = "already exists" in str(exc) or "already taken" in str(exc)
         raise BackendUnavailableError(

@@ -5,8 +5,9 @@ A call's rows are spread over the replicas by their outstanding work and sent to
 in one ``add_rows`` call. Each replica pushes what its engine produces through one stream
 (``VllmGenerationWorker.outputs``): one message per engine step for all its rows, whichever
 calls they belong to. One reader per replica hands each finished row (and each new token of a
-row that streams) to its call, a batch per call per message. So nothing on the token path costs
-a Ray call per row, per token or per poll.
+row that streams) straight to its call's event loop: per message, one hand-over per caller's
+loop, carrying every call's part. So nothing on the token path costs a Ray call per row, per
+token or per poll, nor a thread wake-up per call.
 
 A replica takes at most ``capacity`` rows at once (its engine's ``max_num_seqs``); rows beyond
 that wait here and go to whichever replica frees a slot first, so uneven row lengths even out
@@ -19,16 +20,19 @@ the conversation, unless that replica is full or has more than twice the least-l
 outstanding work (plus ``AFFINITY_SLACK_TOKENS``): then it goes to the least-loaded one, which
 becomes the session's replica. The router remembers the last ``MAX_SESSIONS`` sessions.
 
-Runs on the driver's ``BackgroundLoop``; not thread-safe.
+The router's state lives on the driver's event loop (``driver``): dispatch, the replicas'
+streams and the load counts. A call iterates ``rows`` on its own loop, any thread's; its
+bookkeeping is handed to the driver's loop, and its items are handed back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,13 +70,18 @@ class Delivery:
     ended: float
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
-    """One call's rows in flight: where their items go."""
+    """One call: its rows, where its items go, which of its rows are out and where."""
 
-    inbox: asyncio.Queue[Delivery | BaseException] = field(default_factory=asyncio.Queue)
-    #: request id -> (index in the call, replica, cost)
+    caller: asyncio.AbstractEventLoop  # the loop the call iterates on
+    inbox: asyncio.Queue[Delivery | BaseException]  # on ``caller``
+    requests: Sequence[RowRequest]
+    costs: Sequence[int]
+    waiting: deque[int] = field(default_factory=deque)  # rows not yet sent, in order
+    #: request id -> (index in the call, replica, cost), for the rows sent
     live: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    over: bool = False  # the caller stopped listening
 
 
 class RowRouter:
@@ -91,73 +100,86 @@ class RowRouter:
         self.tokens = [0] * len(replicas)  # tokens generated (not scored), per replica
         self.prompt_tokens = 0  # prompt tokens of generated rows (the prefix cache's queries)
         self.cached_tokens = 0  # of those, the tokens the replicas' prefix caches held
+        self.engine_steps = [0] * len(replicas)  # engine steps, per replica
+        self.engine_seconds = [0.0] * len(replicas)  # the time those steps took
         self._homes: OrderedDict[str, int] = OrderedDict()  # session -> its replica
         self._routes: dict[str, tuple[_Call, bool, int]] = {}  # id -> call, streams, prompt len
         self._readers: list[asyncio.Task[None] | None] = [None] * len(replicas)
         self._lost: list[GenerationError | None] = [None] * len(replicas)
-        self._freed: asyncio.Event | None = None
+        self._queued: deque[_Call] = deque()  # calls with rows waiting for room, oldest first
 
     async def run(
-        self, requests: Sequence[RowRequest], costs: Sequence[int], timeout_s: float
+        self,
+        requests: Sequence[RowRequest],
+        costs: Sequence[int],
+        timeout_s: float,
+        driver: asyncio.AbstractEventLoop,
     ) -> AsyncGenerator[Delivery, None]:
         """Yield, as they come, ``Delivery``s of ``(index into requests, item)``: a
         ``TokenDelta`` of a row that streams (``RowRequest.stream``), or a row's ``RowOutput``
-        once it finished; a row's tokens all come before its result.
+        once it finished; a row's tokens all come before its result. Iterate it on any event
+        loop; ``driver`` is the loop the router lives on.
 
         Args:
             requests: the rows, each with a request id unique among rows in flight.
             costs: each row's estimated work (its token budget), for balancing.
             timeout_s: the whole call's time limit.
+            driver: the router's own event loop.
 
         Raises:
             GenerationError: a row failed, a worker failed or died, or the call passed
                 ``timeout_s``. Rows still running are aborted in their engines on any exit,
                 including the caller closing the iterator early.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        call = _Call()
-        waiting = deque(range(len(requests)))
+        caller = asyncio.get_running_loop()
+        deadline = caller.time() + timeout_s
+        call = _Call(caller, asyncio.Queue(), requests, costs, deque(range(len(requests))))
+        _on(driver, lambda: self._submit(call))
         finished = 0
         try:
             while finished < len(requests):
-                self._dispatch(call, waiting, requests, costs)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise _timed_out(timeout_s, len(requests) - finished, len(requests))
-                if not call.live and call.inbox.empty():
-                    # every replica is full of other calls' rows: wait until one frees a slot
-                    await self._wait_for_room(remaining, timeout_s, len(waiting), len(requests))
-                    continue
+                remaining = deadline - caller.time()
                 try:
-                    batch = await asyncio.wait_for(call.inbox.get(), remaining)
+                    if remaining <= 0:
+                        raise TimeoutError
+                    delivery = await asyncio.wait_for(call.inbox.get(), remaining)
                 except TimeoutError:
                     raise _timed_out(timeout_s, len(requests) - finished, len(requests)) from None
-                if isinstance(batch, BaseException):
-                    raise batch
-                finished += sum(isinstance(step, RowOutput) for _, step in batch.items)
-                yield batch
+                if isinstance(delivery, BaseException):
+                    raise delivery
+                finished += sum(isinstance(step, RowOutput) for _, step in delivery.items)
+                yield delivery
         finally:
-            self._give_up(call)
+            call.over = True
+            _on(driver, lambda: self._give_up(call))
 
-    # ---- dispatch ----------------------------------------------------------------------------
+    # ---- dispatch (on the driver's loop) -----------------------------------------------------
 
-    def _dispatch(
-        self,
-        call: _Call,
-        waiting: deque[int],
-        requests: Sequence[RowRequest],
-        costs: Sequence[int],
-    ) -> None:
-        """Send as many waiting rows as the replicas have room for, one batch per replica."""
+    def _submit(self, call: _Call) -> None:
+        if call.over:
+            return
+        self._queued.append(call)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Send the queued calls' rows, oldest call first, as far as the replicas have room:
+        one ``add_rows`` per replica."""
         batches: dict[int, list[RowRequest]] = defaultdict(list)
-        while waiting and (replica := self._pick(requests[waiting[0]].session)) is not None:
-            index = waiting.popleft()
-            request = requests[index]
-            self._take(replica, costs[index])
-            call.live[request.request_id] = (index, replica, costs[index])
-            self._routes[request.request_id] = (call, request.stream, len(request.prompt))
-            batches[replica].append(request)
+        while self._queued:
+            call = self._queued[0]
+            while (
+                call.waiting
+                and (replica := self._pick(call.requests[call.waiting[0]].session)) is not None
+            ):
+                index = call.waiting.popleft()
+                request = call.requests[index]
+                self._take(replica, call.costs[index])
+                call.live[request.request_id] = (index, replica, call.costs[index])
+                self._routes[request.request_id] = (call, request.stream, len(request.prompt))
+                batches[replica].append(request)
+            if call.waiting:
+                break  # every replica is full
+            self._queued.popleft()
         for replica, batch in batches.items():
             self._read(replica)
             lost = self._lost[replica]
@@ -177,19 +199,12 @@ class RowRouter:
                 replica, [r.request_id for r in batch], translate_ray_error(exc, "generate")
             )
 
-    async def _wait_for_room(
-        self, remaining: float, timeout_s: float, waiting: int, total: int
-    ) -> None:
-        if self._freed is None:
-            self._freed = asyncio.Event()
-        self._freed.clear()
-        try:
-            await asyncio.wait_for(self._freed.wait(), remaining)
-        except TimeoutError:
-            raise _timed_out(timeout_s, waiting, total) from None
-
     def _give_up(self, call: _Call) -> None:
-        """Abort the call's rows still in flight and give their room back."""
+        """The caller left: abort its rows still in flight and give their room back."""
+        call.over = True
+        with contextlib.suppress(ValueError):
+            self._queued.remove(call)
+        call.waiting.clear()
         by_replica: dict[int, list[str]] = defaultdict(list)
         for request_id, (_, replica, cost) in call.live.items():
             self._routes.pop(request_id, None)
@@ -201,7 +216,7 @@ class RowRouter:
                 with contextlib.suppress(Exception):  # the worker is gone: nothing runs there
                     self._replicas.abort_rows(replica, ids)
         if by_replica:
-            self._room_freed()
+            self._dispatch()
 
     # ---- the replicas' streams -------------------------------------------------------------
 
@@ -223,7 +238,9 @@ class RowRouter:
             self._lose(replica, GenerationError("a vLLM worker shut down while rows ran on it"))
 
     def _deliver(self, replica: int, batch: StepBatch) -> None:
-        """Hand each call its part of one message: one inbox put per call."""
+        """Hand each call its part of one message: one hand-over per caller's loop."""
+        self.engine_steps[replica] += batch.steps
+        self.engine_seconds[replica] += batch.step_seconds
         parts: dict[int, tuple[_Call, list[RowItem]]] = {}
 
         def part(call: _Call) -> list[RowItem]:
@@ -249,10 +266,9 @@ class RowRouter:
         for failure in batch.failed:
             kind = EngineFailedError if failure.engine_failed else GenerationError
             self._fail_rows(replica, [failure.request_id], kind(failure.message))
-        for call, items in parts.values():
-            call.inbox.put_nowait(Delivery(items, batch.ended))
+        _hand_over([(call, Delivery(items, batch.ended)) for call, items in parts.values()])
         if batch.finished:
-            self._room_freed()
+            self._dispatch()
 
     def _lose(self, replica: int, error: GenerationError) -> None:
         """``replica``'s stream ended: every row on it fails with ``error``."""
@@ -261,6 +277,7 @@ class RowRouter:
         self._fail_rows(replica, ids, error)
 
     def _fail_rows(self, replica: int, request_ids: list[str], error: GenerationError) -> None:
+        failed = []
         for request_id in request_ids:
             route = self._routes.pop(request_id, None)
             if route is None:
@@ -268,8 +285,10 @@ class RowRouter:
             call = route[0]
             _, _, cost = call.live.pop(request_id)
             self._untake(replica, cost)
-            call.inbox.put_nowait(error)
-        self._room_freed()
+            failed.append((call, error))
+        _hand_over(failed)
+        if failed:
+            self._dispatch()
 
     @staticmethod
     def _on(call: _Call, request_id: str, replica: int) -> bool:
@@ -308,16 +327,40 @@ class RowRouter:
         self.rows[replica] -= 1
         self.outstanding[replica] -= cost
 
-    def _room_freed(self) -> None:
-        if self._freed is not None:
-            self._freed.set()
-
 
 def _timed_out(timeout_s: float, unfinished: int, total: int) -> GenerationError:
     return GenerationError(
         f"generate did not finish within {timeout_s:g} s ({unfinished} of {total} rows "
         "unfinished; vllm_cfg.generate_timeout_s sets the limit)"
     )
+
+
+def _on(loop: asyncio.AbstractEventLoop, work: Callable[[], None]) -> None:
+    """Run ``work`` on ``loop``: now when already there, else as soon as the loop can."""
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:
+        work()
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs there
+            loop.call_soon_threadsafe(work)
+
+
+def _hand_over(items: Sequence[tuple[_Call, Delivery | BaseException]]) -> None:
+    """Put each item in its call's inbox, with one hand-over per caller's loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Call, Delivery | BaseException]]] = {}
+    for call, item in items:
+        if not call.over:
+            by_loop.setdefault(call.caller, []).append((call, item))
+    for loop, pairs in by_loop.items():
+        _on(loop, functools.partial(_put_all, pairs))
+
+
+def _put_all(pairs: list[tuple[_Call, Delivery | BaseException]]) -> None:
+    for call, item in pairs:
+        call.inbox.put_nowait(item)
 
 
 def _log_unexpected(task: asyncio.Task[None]) -> None:

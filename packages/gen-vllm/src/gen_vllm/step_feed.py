@@ -34,12 +34,17 @@ class StepFeed:
         deltas: Sequence[TokenDelta] = (),
         finished: Sequence[tuple[str, RowOutput]] = (),
         failed: Sequence[RowFailure] = (),
+        step_seconds: float | None = None,
     ) -> None:
-        """Add one step's output (from any thread) and wake the waiting reader."""
-        if not (deltas or finished or failed):
-            return
+        """Add one step's output (from any thread) and wake the waiting reader.
+        ``step_seconds``: the step took that long (counted; None: not a step)."""
         ended = time.time()
         with self._lock:
+            if step_seconds is not None:
+                self._batch.steps += 1
+                self._batch.step_seconds += step_seconds
+            if not (deltas or finished or failed):
+                return
             self._batch.deltas.extend(deltas)
             self._batch.finished.extend(finished)
             self._batch.failed.extend(failed)

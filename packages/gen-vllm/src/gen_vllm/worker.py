@@ -55,6 +55,9 @@ class VllmGenerationWorker:
         engine_args: keyword arguments for ``vllm.EngineArgs``.
         cpu_slot: ``(slot, slots)``: take the slot-th of ``slots`` equal shares of this
             machine's cores (CPU engines sharing a machine), or None to leave affinity alone.
+        cpu_threads: threads of the engine's forward pass on its share; None: the share's
+            cores but one (at least one), the one left for this process's scheduling and
+            messages, as vLLM's own server leaves one for its scheduler.
         env: environment variables to set before vLLM is imported.
         engine_factory: builds the engine; default ``VllmEngine`` (tests pass a fake).
     """
@@ -66,22 +69,25 @@ class VllmGenerationWorker:
         cpu_slot: tuple[int, int] | None = None,
         env: dict[str, str] | None = None,
         engine_factory: EngineFactory | None = None,
+        cpu_threads: int | None = None,
     ):
         os.environ.update(env or {})
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         _allow_amx()
         _undo_worker_niceness()
         cpu_ids = _cores_for(cpu_slot) if cpu_slot else None
+        threads = None
         if cpu_ids:
+            threads = engine_threads(len(cpu_ids), cpu_threads)
             os.sched_setaffinity(0, cpu_ids)
-            os.environ["OMP_NUM_THREADS"] = str(len(cpu_ids))
+            os.environ["OMP_NUM_THREADS"] = str(threads)
         self._updating = False  # vLLM's weight-update transaction is open
         self._load_order = LoadOrder()
         self._adapter: tuple[dict[str, Any], str] | None = None  # (lora settings, its directory)
         self._info: WorkerInfo | None = None  # set once the engine is up
         self._start_error = ""
         try:
-            self._start(model, engine_args, cpu_ids, engine_factory or VllmEngine)
+            self._start(model, engine_args, threads, engine_factory or VllmEngine)
         except Exception as exc:  # reported by info(), whole: Ray would cut a dead actor's
             logger.exception("the vLLM engine failed to start")
             self._start_error = f"{type(exc).__name__}: {exc}"
@@ -90,12 +96,13 @@ class VllmGenerationWorker:
         self,
         model: str,
         engine_args: dict[str, Any],
-        cpu_ids: list[int] | None,
+        threads: int | None,
         factory: EngineFactory,
     ) -> None:
         start = time.perf_counter()
         self._loop = EngineLoop(
-            lambda: factory(model, engine_args), num_threads=len(cpu_ids) if cpu_ids else None
+            lambda: factory(model, engine_args),
+            num_threads=threads,
         )
         engine: EngineProtocol = self._loop.engine
         specs, optional = self._loop.run(lambda: engine.collective_rpc("checkpoint_specs")[0])
@@ -303,6 +310,18 @@ class VllmGenerationWorker:
             await asyncio.to_thread(self._loop.close)
         if self._adapter is not None:
             shutil.rmtree(self._adapter[1], ignore_errors=True)
+
+
+def engine_threads(cores: int, asked: int | None) -> int:
+    """The forward pass's threads on a share of ``cores``: ``asked`` (``vllm_cfg.cpu_threads``),
+    else every core but one, which is left to this process's scheduling and Ray's messages.
+
+    A thread of the forward pass that shares its core is stalled whenever the core runs anything
+    else, and the others wait for it at every parallel operation: on two cores, two threads
+    spent twice the CPU time of one for the same steps and slowed serving to half of vLLM's
+    (whose server also leaves a core to its scheduler). A share of one core keeps one thread.
+    """
+    return asked or max(1, cores - 1)
 
 
 def _cores_for(slot: tuple[int, int]) -> list[int]:
