@@ -202,18 +202,21 @@ def unpack_verified(
             yielded before it were intact), or a slot holds a delta, which a receiver without
             a base cannot take (``unpack_entries`` reads those).
     """
-    for name, entry in unpack_entries(data, slots):
+    for slot, entry in unpack_entries(data, slots):
         if isinstance(entry, TensorDelta):
             raise WeightUpdateError(
-                f"weight {name!r} arrived as a delta, and this receiver keeps no base to apply "
-                "it to: send whole tensors (Refitter(..., deltas=False))"
+                f"weight {slot['name']!r} arrived as a delta, and this receiver keeps no base "
+                "to apply it to: send whole tensors (Refitter(..., deltas=False))"
             )
-        yield name, entry
+        yield slot["name"], entry
 
 
-def unpack_entries(data: torch.Tensor, slots: Sequence[TensorSlot]) -> Iterator[tuple[str, Entry]]:
-    """``(name, tensor or delta)`` views of a packed bucket, each verified against its slot's
-    checksum just before it is yielded (a delta's encoded bytes, not yet the tensor it makes).
+def unpack_entries(
+    data: torch.Tensor, slots: Sequence[TensorSlot]
+) -> Iterator[tuple[TensorSlot, Entry]]:
+    """``(slot, tensor or delta)`` of every slot of a packed bucket, viewing ``data``, each
+    verified against its slot's checksum just before it is yielded (a delta's encoded bytes,
+    not yet the tensor it makes).
 
     Raises:
         WeightUpdateError: bytes differ from what the producer wrote (the entries yielded
@@ -227,12 +230,9 @@ def unpack_entries(data: torch.Tensor, slots: Sequence[TensorSlot]) -> Iterator[
                 "mismatch): the producer must not write to a bucket until it is loaded"
             )
         if "delta" in slot:
-            yield (
-                slot["name"],
-                TensorDelta.from_slot(view, slot["delta"], slot["shape"], slot["dtype"]),
-            )
+            yield slot, TensorDelta.from_slot(view, slot["delta"], slot["shape"], slot["dtype"])
         else:
-            yield slot["name"], slot_view(data, slot)
+            yield slot, slot_view(data, slot)
 
 
 def slot_view(data: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
