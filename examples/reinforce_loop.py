@@ -5,12 +5,16 @@ local backend or on a server somewhere else, by config alone.
     uv run python examples/reinforce_loop.py --backend sglang          # SGLang servers here
     uv run gen-serve --backend hf --model DIR --port 8000 &            # or a server ...
     uv run python examples/reinforce_loop.py --base-url http://127.0.0.1:8000 --model DIR
+    uv run python examples/reinforce_loop.py --deltas                  # refits send what changed
 
 Each step samples 4 answers to each of 6 prompts, rewards an answer by the share of its tokens
 with an even id (a toy task the policy can learn), scores the answers with the trainer's own
 forward pass, takes a policy-gradient step and sends the new weights to the generator
-(``Refitter``). It prints each step's mean reward and the mismatch between the generator's and
-the trainer's logprobs of the same tokens, the number RL engineers watch for off-policy drift.
+(``Refitter``). It prints each step's mean reward, the mismatch between the generator's and
+the trainer's logprobs of the same tokens (the number RL engineers watch for off-policy drift),
+and the bytes the step's refit sent. With --deltas each tensor goes whole or as a delta against
+the weights the generator holds, whichever is smaller (through buckets: a generator in this
+process is otherwise handed the tensors themselves, which sends no bytes at all).
 Without --model it trains the testkit's tiny random Qwen2 (built on first use).
 """
 
@@ -35,6 +39,8 @@ class Step:
     reward: float  # mean reward of the step's answers
     mismatch: float  # mean |generator logprob - trainer logprob| over the answers' tokens
     weight_version: int  # the weights the step's answers were sampled from
+    sent_bytes: int = 0  # bytes the step's refit sent (whole tensors and deltas)
+    whole_bytes: int = 0  # bytes of the weights that refit carried
 
 
 def run(
@@ -48,9 +54,11 @@ def run(
     batch_invariant: bool = False,
     backend: str = "hf",
     temperature: float = 1.0,
+    deltas: bool = False,
 ) -> list[Step]:
     """Train ``model`` for ``steps`` steps, generating locally (``backend``: gen-hf, or any
-    backend that loads the model, e.g. ``"sglang"``) or on ``base_url``."""
+    backend that loads the model, e.g. ``"sglang"``) or on ``base_url``; ``deltas``: refits
+    send deltas where the generator takes them."""
     torch.manual_seed(seed)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
@@ -67,7 +75,8 @@ def run(
     generator = create_generation_backend({**config, **sampling})
     history = []
     try:
-        with Refitter(generator) as refitter:
+        options = {"deltas": True, "hand_over": False} if deltas else {}
+        with Refitter(generator, **options) as refitter:
             refitter.refit(policy.state_dict())  # the trainer's weights are the generator's
             for step in range(steps):
                 batch = _batch(samples, seed=seed * 1000 + step)
@@ -81,12 +90,22 @@ def run(
                 loss.backward()
                 optimizer.step()
                 refitter.refit(policy.state_dict())
+                size = refitter.last_size
                 history.append(
-                    Step(float(rewards.mean()), float(mismatch), int(out["weight_version"][0]))
+                    Step(
+                        float(rewards.mean()),
+                        float(mismatch),
+                        int(out["weight_version"][0]),
+                        size.sent_bytes if size else 0,
+                        size.whole_bytes if size else 0,
+                    )
                 )
                 print(
                     f"step {step}: reward {history[-1].reward:.4f}, logprob mismatch "
-                    f"{history[-1].mismatch:.3e}, weights v{history[-1].weight_version}"
+                    f"{history[-1].mismatch:.3e}, weights v{history[-1].weight_version}, refit "
+                    f"sent {history[-1].sent_bytes / 2**20:.2f} of "
+                    f"{history[-1].whole_bytes / 2**20:.2f} MiB"
+                    + (f" ({size.deltas} of {size.tensors} tensors as deltas)" if size else "")
                 )
     finally:
         generator.shutdown()
@@ -140,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[Step]:
     parser.add_argument("--backend", default="hf", help="the backend here: hf, vllm, sglang")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deltas", action="store_true", help="refits send what changed")
     parser.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -158,6 +178,7 @@ def main(argv: list[str] | None = None) -> list[Step]:
         steps=args.steps,
         seed=args.seed,
         batch_invariant=args.batch_invariant,
+        deltas=args.deltas,
     )
 
 

@@ -14,15 +14,17 @@ from gen_testkit.conformance import (
     conformance_config,
 )
 from gen_testkit.models import TinyModel
+from gen_testkit.suite.deltas import WeightDeltaProperties
 
 
-def hf_subject(model: TinyModel, logprobs_mode: str) -> ConformanceSubject:
+def hf_subject(model: TinyModel, logprobs_mode: str, dtype: str = "float32") -> ConformanceSubject:
     config = conformance_config(
         backend="hf",
         model_name=str(model.path),
         vocab_size=model.vocab_size,
         logprobs_mode=logprobs_mode,
         hf_cfg={"device": "cpu"},
+        dtype=dtype,
     )
     backend = HfGeneration(cast(HfConfig, config))
     return ConformanceSubject.for_model(backend, model, fail_rows=_forward_failure(backend))
@@ -49,6 +51,7 @@ def _forward_failure(backend: HfGeneration) -> Callable[[bool], None]:
 class TestHfQwen2Raw(GenerationConformanceSuite):
     claims_score = True
     claims_weight_updates = True
+    claims_weight_deltas = True
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -92,5 +95,28 @@ class TestHfTiedEmbeddings(TestHfQwen2Raw):
     @classmethod
     def subject(cls, tiny_qwen2_tied: TinyModel) -> Iterator[ConformanceSubject]:
         subject = hf_subject(tiny_qwen2_tied, "raw")
+        yield subject
+        subject.backend.shutdown()
+
+
+class TestHfDeltasInBfloat16(WeightDeltaProperties):
+    """Delta refits of a bfloat16 model from float32 master weights (the refitter casts)."""
+
+    claims_weight_updates = True
+    claims_weight_deltas = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, tiny_qwen2: TinyModel) -> Iterator[ConformanceSubject]:
+        subject = hf_subject(tiny_qwen2, "raw", dtype="bfloat16")
+        yield subject
+        subject.backend.shutdown()
+
+
+class TestHfDeltasInFloat16(TestHfDeltasInBfloat16):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, tiny_llama: TinyModel) -> Iterator[ConformanceSubject]:
+        subject = hf_subject(tiny_llama, "raw", dtype="float16")
         yield subject
         subject.backend.shutdown()

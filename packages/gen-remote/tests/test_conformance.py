@@ -57,6 +57,7 @@ def _forward_failure(backend: Any) -> Callable[[bool], None]:
 class TestOverHf(GenerationConformanceSuite):
     claims_score = True
     claims_weight_updates = True
+    claims_weight_deltas = True  # the server's gen-hf: deltas apply to its model's tensors
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -76,6 +77,8 @@ class TestOverHfProcessed(TestOverHf):
 
 
 class TestOverVllm(TestOverHf):
+    claims_weight_deltas = False  # the server's vLLM keeps no copy (vllm_cfg.weight_deltas)
+
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls, served: ServedModels, tiny_qwen2: TinyModel) -> Iterator[ConformanceSubject]:

@@ -1,7 +1,8 @@
 """``examples/reinforce_loop.py`` against a local gen-hf and against the remote backend over a
-gen-serve server with gen-hf behind: the same seeds give the same rewards, weight versions and
-logprob mismatch, step for step. Both generate batch-invariant, so that a row's logprobs do
-not depend on the rows beside it (the server runs each row as a request of its own)."""
+gen-serve server with gen-hf behind, whole and with deltas: the same seeds give the same
+rewards, weight versions and logprob mismatch, step for step, and the delta refits send less.
+Both generate batch-invariant, so that a row's logprobs do not depend on the rows beside it
+(the server runs each row as a request of its own)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,17 @@ def test_the_loop_is_the_same_over_http_as_in_process(tiny_qwen2: TinyModel):
     server = serve(hf_backend(tiny_qwen2, batch_invariant=True), tiny_qwen2)
     try:
         remote = example.run(model, base_url=server.url, steps=3, seed=5, batch_invariant=True)
+        deltas = example.run(
+            model, base_url=server.url, steps=3, seed=5, batch_invariant=True, deltas=True
+        )
     finally:
         server.stop()
-    assert [s.reward for s in remote] == [s.reward for s in local]
-    assert [s.mismatch for s in remote] == [s.mismatch for s in local]
+    for run in (remote, deltas):
+        assert [s.reward for s in run] == [s.reward for s in local]
+        assert [s.mismatch for s in run] == [s.mismatch for s in local]
+        assert [s.weight_version for s in run] == [1, 2, 3]
     assert [s.weight_version for s in local] == [1, 2, 3]
-    assert [s.weight_version for s in remote] == [1, 2, 3]
     assert len({s.reward for s in local}) > 1  # the policy moved: the steps differ
+    assert all(s.sent_bytes == s.whole_bytes > 0 for s in remote)
+    # unused embedding rows stay as they were: every step's refit sends less than the weights
+    assert all(0 < s.sent_bytes < s.whole_bytes for s in deltas)

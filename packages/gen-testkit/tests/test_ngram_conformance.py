@@ -39,6 +39,7 @@ def ngram_subject(logprobs_mode: str, *, backend_cls=NgramGeneration, in_flight:
 
 class TestNgramRaw(GenerationConformanceSuite):
     claims_weight_updates = True
+    claims_weight_deltas = True
     claims_score = True
 
     @pytest.fixture(scope="class")

@@ -8,12 +8,15 @@ against all of them in a separate pytest process, and each fault must fail its t
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
-from gen_backend_kit.weights import read_shared_weights
+from gen_backend_kit.weights import CommittedWeights, read_shared_weights
 from gen_interface import GenerationError, MixedWeightsError
+from gen_interface.weights import apply_delta, bytes_checksum
 from gen_testkit.ngram import NgramGeneration
 
 
@@ -268,6 +271,47 @@ class EngineErrorAsLength(NgramGeneration):
         return super()._ended(generated, row, known, now)
 
 
+class DeltaOnAnyBase(NgramGeneration):
+    """Applies a delta whatever base it names: each delta's base version and checksum are
+    taken as its own before the transaction sees them (a receiver that trusts the trainer)."""
+
+    def update_weights_from_ipc_handles(self, handles):
+        handles = copy.deepcopy(dict(handles))
+        for bucket in handles["buckets"]:
+            for slot in bucket["tensors"]:
+                if "delta" in slot:
+                    slot["delta"]["base_version"] = self.weight_version
+                    slot["delta"]["base_checksum"] = bytes_checksum(
+                        self.model.weights[slot["name"]]
+                    )
+        super().update_weights_from_ipc_handles(handles)
+
+
+class _UncheckedWeights(CommittedWeights):
+    def apply(self, name, delta):
+        made = dict(self.items())[name].clone()
+        apply_delta(made, delta)
+        return super().apply(name, dataclasses.replace(delta, checksum=bytes_checksum(made)))
+
+
+class SkipsTheResultCheck(NgramGeneration):
+    """Takes the tensor a delta makes as the trainer's, without checking its checksum."""
+
+    def _committed_weights(self):
+        committed = super()._committed_weights()
+        if committed is not None:
+            committed.__class__ = _UncheckedWeights
+        return committed
+
+
+class DroppedDeltasNotUndone(NgramGeneration):
+    """Leaves the deltas of a dropped update in place (gen-hf and vLLM before deltas: weights
+    part old, part new until a complete update commits)."""
+
+    def _restore_weights(self):
+        return False
+
+
 class AsyncDropsARow(NgramGeneration):
     async def generate_async(self, data, greedy=False):
         async for i, row in super().generate_async(data, greedy):
@@ -341,6 +385,21 @@ FAULTS: dict[str, tuple[type[NgramGeneration], str, set[str]]] = {
         "raw",
         {"test_a_keep_update_midway_changes_the_later_tokens_and_versions_say_where"},
     ),
+    "delta on any base": (
+        DeltaOnAnyBase,
+        "raw",
+        {"test_a_bad_delta_is_refused_and_the_old_weights_stay"},
+    ),
+    "delta result unchecked": (
+        SkipsTheResultCheck,
+        "raw",
+        {"test_a_bad_delta_is_refused_and_the_old_weights_stay"},
+    ),
+    "dropped deltas not undone": (
+        DroppedDeltasNotUndone,
+        "raw",
+        {"test_a_bad_delta_is_refused_and_the_old_weights_stay"},
+    ),
     "engine error read as length": (
         EngineErrorAsLength,
         "raw",
@@ -377,6 +436,7 @@ def pytest_configure(config):
 _CLASS = """
 class TestFault{index}(GenerationConformanceSuite, InFlightUpdateChecks):
     claims_weight_updates = True
+    claims_weight_deltas = True
     claims_score = True
 
     @pytest.fixture(scope="class")

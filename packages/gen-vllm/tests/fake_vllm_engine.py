@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,8 @@ from gen_interface.weights.collective import CollectiveEndpoint, join_weight_gro
 from gen_testkit.routing import reference_routing
 from gen_vllm.engine import EngineLimits, StepOutput
 from gen_vllm.extension import UpdatableVllmInternalWorker
-from gen_vllm.receive import receive_load
+from gen_vllm.receive import receive_load, whole_tensors
+from gen_vllm.staging import stage_entries
 
 _GARBAGE = float("nan")  # what unmapped, re-mapped memory reads as
 
@@ -315,7 +315,7 @@ class FakeRank(UpdatableVllmInternalWorker):
         self.packed = sorted(n for n, t in checkpoint.items() if t.dim() == 2)[-1]
         self.corrupt_next_load: str | None = None  # "plain" or "packed": corrupt the next load
         self._updating = False
-        self.weight_transfer_engine = types.SimpleNamespace(received=[], group=None)
+        self.weight_transfer_engine = _FakeTransferEngine()
         self.version = 0
         self._backup: dict[str, torch.Tensor] | None = None
         # Like a GPU UUID: which placement group and bundle (or visible GPU) this rank holds.
@@ -345,19 +345,30 @@ class FakeRank(UpdatableVllmInternalWorker):
             raise RuntimeError("start_weight_update called while a weight update is already active")
         self._updating = True
         self.weight_transfer_engine.received = []
+        self.weight_transfer_engine.staged = False
+        if self.weight_transfer_engine.committed is not None:
+            self.weight_transfer_engine.committed.begin()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if not self._updating:
             raise RuntimeError("start_weight_update must be called before update_weights.")
         engine = self.weight_transfer_engine
         for bucket in receive_load(update_info, device_uuid=None, group=engine.group):
-            self.load(bucket.tensors)
+            if engine.committed is not None:  # staged until the finish (staging.py)
+                engine.staged = True
+                stage_entries(engine.committed, bucket.entries)
+            else:
+                self.load(whole_tensors(bucket.entries))
             engine.received.append(bucket.checksum)
 
     def finish_weight_update(self) -> None:
         if not self._updating:
             raise RuntimeError("finish_weight_update called without a matching start")
         self._updating = False
+        engine = self.weight_transfer_engine
+        if engine.staged and engine.committed is not None:
+            engine.staged = False
+            self.load(engine.committed.items())
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         endpoint = CollectiveEndpoint(**init_info["endpoint"])
@@ -400,6 +411,21 @@ class FakeRank(UpdatableVllmInternalWorker):
         if not self.split.get(name, False):
             return tensor
         return tensor.chunk(self._tp)[self.rank]
+
+
+class _FakeTransferEngine:
+    """What the extension reads of the transfer engine (``transfer.py``)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.group: Any = None
+        self.committed: Any = None
+        self.staged = False
+
+    def drop_staged(self) -> None:
+        if self.committed is not None:
+            self.committed.rollback()
+        self.staged = False
 
 
 class _FakeModelRunner:

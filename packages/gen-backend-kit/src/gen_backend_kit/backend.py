@@ -23,6 +23,8 @@ step                      what it does
 ``_write_state_dict``     write one load from an in-process state dict (optional)
 ``_load_broadcast``       receive and write one broadcast bucket (optional)
 ``_begin_update`` ...     pause, commit and abort around the loads on the backend's workers
+``_weight_base``          the base deltas apply to (default: none, every tensor comes whole)
+``_restore_weights``      undo a dropped update's loads (default: cannot)
 ========================  =======================================================================
 
 **May override**: ``capabilities`` (say what the steps offer), ``complete_config`` (the
@@ -66,7 +68,7 @@ from gen_interface.specs import (
     ScoreOutputSpec,
     ScoreSpec,
 )
-from gen_interface.weights.handles import describe_slots
+from gen_interface.weights.handles import LoadSize, WeightBase, describe_slots
 
 from gen_backend_kit.inputs import normalize_generation_input
 from gen_backend_kit.lifecycle import Lifecycle, LifecycleView, Resource
@@ -87,6 +89,7 @@ from gen_backend_kit.weights.consumer import (
     TensorSpecs,
     check_update_is_complete,
     check_weights_match,
+    delta_bases,
     release_shared_weights,
     state_dict_specs,
 )
@@ -166,6 +169,7 @@ class GenerationBackend(GenerationInterface):
                     begin=self._begin_update,
                     commit=self._commit_update,
                     abort=self._abort_update,
+                    restore=self._restore_weights,
                 ),
                 self._metrics,
                 staged_weights,
@@ -419,8 +423,17 @@ class GenerationBackend(GenerationInterface):
         weights = self._weight_updates("update_weights_from_collective", "_load_broadcast")
         with self._lifecycle.breaks_on_fatal():
             weights.load_described(
-                describe_slots(bucket["tensors"]), lambda: self._load_broadcast(bucket)
+                describe_slots(bucket["tensors"]),
+                lambda: self._load_broadcast(bucket),
+                size=LoadSize.of_slots(bucket["tensors"]),
+                bases=delta_bases(bucket["tensors"]),
             )
+
+    def weight_base(self) -> WeightBase | None:
+        if self._weights is None or self._lifecycle.state in ("shut down", "broken"):
+            return None
+        with self._lifecycle.breaks_on_fatal():
+            return self._weight_base()
 
     def commit_weight_update(self, version: int | None = None) -> int:
         weights = self._weight_updates("commit_weight_update")
@@ -537,6 +550,17 @@ class GenerationBackend(GenerationInterface):
 
     def _begin_update(self, version: int, in_flight: InFlight) -> None:
         """Prepare for loads: running rows pause (``"keep"``) or end cut short (``"abort"``)."""
+
+    def _weight_base(self) -> WeightBase | None:
+        """The base deltas apply to: a ``CommittedWeights``' ``base()`` (the kit's readable copy
+        of the last committed weights), or None to take every tensor whole (the default)."""
+        return None
+
+    def _restore_weights(self) -> bool:
+        """An update is dropped after loads were written: put the old weights back if possible
+        (a ``CommittedWeights`` viewing the model undoes its deltas) and return whether that
+        was done; then ``_abort_update`` gets ``written=False`` and rows paused go on."""
+        return False
 
     def _commit_update(self, version: int) -> None:
         """Every weight arrived: verify, label the weights ``version``, let paused rows go on."""

@@ -29,6 +29,14 @@ name                                      meaning
                                           ``commit`` (verifying and resuming); what is left
                                           of ``refit_seconds`` is the trainer's own time
 ``refit_bytes_total``                     bytes of the weights the committed updates carried
+``refit_sent_bytes_total``                bytes that crossed the transport for them: whole
+                                          tensors' bytes, and deltas' encoded bytes
+``refit_tensors_total``                   tensors the committed updates carried
+``refit_delta_tensors_total``             of them, sent as deltas
+``refit_delta_share``                     the last committed update's tensors sent as
+                                          deltas / its tensors (0.0 without one)
+``refit_delta_ratio``                     the last committed update's sent bytes / the
+                                          bytes of the weights it carried (1.0 whole)
 ========================================  ===============================================
 
 Backends may add their own (gen-vllm: ``replica_{i}_tokens_generated_total`` per replica, and
@@ -44,6 +52,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from gen_interface.weights.handles import LoadSize
 
 from gen_backend_kit.outputs import RowResult
 
@@ -74,6 +84,7 @@ class GenerationMetrics:
             self._first_token_seconds: list[float] = []
             self._refit_seconds: list[float] = []
             self._refit_phase_seconds = dict.fromkeys(REFIT_PHASES, 0.0)
+            self._last_refit: LoadSize | None = None
             self._busy_seconds = 0.0
             self._peak = self._running
             if self._busy_since is not None:
@@ -133,13 +144,23 @@ class GenerationMetrics:
             self._add("rows_refused_stale_total" if refused else "rows_waited_stale_total", rows)
 
     def refit_committed(
-        self, seconds: float, phase_seconds: Mapping[str, float], nbytes: int
+        self,
+        seconds: float,
+        phase_seconds: Mapping[str, float],
+        nbytes: int,
+        size: LoadSize | None = None,
     ) -> None:
         """An update committed after ``seconds``, ``phase_seconds`` of them in each of
-        ``REFIT_PHASES``, carrying ``nbytes``."""
+        ``REFIT_PHASES``, carrying ``nbytes`` of weights; ``size``: its tensors, deltas and
+        bytes sent (default: ``nbytes`` sent whole, tensors not counted)."""
+        size = size if size is not None else LoadSize(0, 0, nbytes, nbytes)
         with self._lock:
             self._add("refits_total", 1)
             self._add("refit_bytes_total", nbytes)
+            self._add("refit_sent_bytes_total", size.sent_bytes)
+            self._add("refit_tensors_total", size.tensors)
+            self._add("refit_delta_tensors_total", size.deltas)
+            self._last_refit = size
             for phase in REFIT_PHASES:
                 self._refit_phase_seconds[phase] += phase_seconds.get(phase, 0.0)
             _sample(self._refit_seconds, seconds)
@@ -169,8 +190,16 @@ class GenerationMetrics:
                     "rows_waited_stale_total",
                     "refits_total",
                     "refit_bytes_total",
+                    "refit_sent_bytes_total",
+                    "refit_tensors_total",
+                    "refit_delta_tensors_total",
                 )
             }
+            last = self._last_refit
+            out["refit_delta_share"] = last.deltas / last.tensors if last and last.tensors else 0.0
+            out["refit_delta_ratio"] = (
+                last.sent_bytes / last.whole_bytes if last and last.whole_bytes else 1.0
+            )
             out.update({k: v for k, v in counts.items() if k.startswith("tokens_versions_behind")})
             for phase, phase_seconds in self._refit_phase_seconds.items():
                 out[f"refit_{phase}_seconds_total"] = phase_seconds

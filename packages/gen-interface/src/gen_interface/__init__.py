@@ -29,6 +29,7 @@ from gen_interface.errors import (
     GenerationInputError,
     MixedWeightsError,
     StaleWeightsError,
+    WeightBaseError,
     WeightsAbsentError,
     WeightUpdateError,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "ScoreSpec",
     "StaleWeightsError",
     "TokenizerLike",
+    "WeightBaseError",
     "WeightTransport",
     "WeightUpdateError",
     "WeightsAbsentError",

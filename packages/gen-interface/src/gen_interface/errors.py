@@ -15,6 +15,7 @@ __all__ = [
     "GenerationInputError",
     "MixedWeightsError",
     "StaleWeightsError",
+    "WeightBaseError",
     "WeightUpdateError",
     "WeightsAbsentError",
 ]
@@ -41,6 +42,12 @@ class GenerationInputError(GenerationError, ValueError):
 
 class WeightUpdateError(GenerationError):
     """A weight update was refused or did not take. Refused updates leave the old weights."""
+
+
+class WeightBaseError(WeightUpdateError):
+    """A delta names a base the receiver does not hold (another version, other bytes, or none
+    at all): refused before anything of it was written. ``Refitter`` then sends the weights
+    whole, in the same call."""
 
 
 class BackendUnavailableError(GenerationError):

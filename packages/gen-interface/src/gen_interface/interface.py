@@ -6,7 +6,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -20,6 +20,9 @@ from gen_interface.specs import (
     ScoreOutputSpec,
     ScoreSpec,
 )
+
+if TYPE_CHECKING:
+    from gen_interface.weights.handles import WeightBase
 
 __all__ = ["BackendCapabilities", "GenerationInterface", "InFlight", "WeightTransport"]
 
@@ -327,6 +330,24 @@ class GenerationInterface(ABC):
         raise NotImplementedError(
             f"{type(self).__name__} does not support update_weights_from_collective"
         )
+
+    def weight_base(self) -> WeightBase | None:
+        """The committed weights this backend takes deltas against, or None when it takes none
+        (the default, and whenever a delta could not be applied: weights part old, part new).
+
+        A backend that answers keeps a readable copy of its last committed weights (its
+        README says where, and what it costs). A weight update may then carry any tensor as a
+        delta against that copy (``gen_interface.weights.delta``): each delta names the base
+        version and the base tensor's checksum, and is refused (``WeightBaseError``) before
+        anything is written when they are not the backend's; the tensor it makes must have
+        the trainer's checksum, or the update aborts with the old weights in force.
+        ``Refitter`` reads this before every refit that may send deltas.
+
+        Returns:
+            ``WeightBase``: the version and checksum of the copy (version None before anything
+            was committed into it) and each weight's dtype there.
+        """
+        return None
 
     def commit_weight_update(self, version: int | None = None) -> int:
         """Close the open transaction: check that every weight arrived and every worker took

@@ -49,6 +49,7 @@ class ServerInfo:
     eos_token_id: int | None = None
     has_tokenizer: bool = True
     weight_routes: bool = False
+    weight_deltas: bool = False  # the server answers /weight_base (gen-serve 0.1.1 and later)
     control_routes: bool = False
     routed_experts: tuple[int, int] | None = None
 
@@ -83,6 +84,7 @@ class ServerInfo:
                     eos_token_id=info["eos_token_id"],
                     has_tokenizer=bool(info["has_tokenizer"]),
                     weight_routes=bool(info["weight_routes"]),
+                    weight_deltas=bool(info.get("weight_deltas", False)),
                     control_routes=bool(info["control_routes"]),
                     routed_experts=_pair(info.get("routed_experts")),
                 )

@@ -21,7 +21,7 @@ from gen_backend_kit.weights.consumer import release_shared_weights
 from gen_backend_kit.weights.loads_in_flight import LoadsInFlight
 from gen_backend_kit.weights.transaction import next_version
 from gen_interface import InFlight, WeightUpdateError
-from gen_interface.weights import describe_weight_handles, handles_to_json
+from gen_interface.weights import LoadSize, WeightBase, describe_weight_handles, handles_to_json
 from gen_interface.weights.handles import dtype_name
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class _OpenUpdate:
     started: float = field(default_factory=time.perf_counter)
     begin_seconds: float = 0.0
     loads: LoadsInFlight = field(default_factory=LoadsInFlight)  # a Refitter runs several
-    nbytes: int = 0
+    size: LoadSize = field(default_factory=LoadSize)  # what the loads carried
 
 
 class RemoteWeights:
@@ -97,15 +97,33 @@ class RemoteWeights:
     def update_weights_from_ipc_handles(self, handles: Mapping[str, Any]) -> None:
         try:
             self._require_weight_routes("update_weights_from_ipc_handles")
-            specs = describe_weight_handles(handles)
-            nbytes = sum(shape.numel() * dtype.itemsize for shape, dtype in specs.values())
-            self._load({"handles": handles_to_json(handles)}, nbytes)
+            describe_weight_handles(handles)
+            size = LoadSize()
+            for bucket in handles["buckets"]:
+                size += LoadSize.of_slots(bucket["tensors"])
+            self._load({"handles": handles_to_json(handles)}, size)
         finally:
             release_shared_weights(handles)  # the server released them once read; idempotent
 
     def update_weights_from_collective(self, bucket: Mapping[str, Any]) -> None:
         self._require_weight_routes("update_weights_from_collective", "collective")
-        self._load({"broadcast": dict(bucket)}, int(bucket["nbytes"]))
+        self._load({"broadcast": dict(bucket)}, LoadSize.of_slots(bucket["tensors"]))
+
+    def weight_base(self) -> WeightBase | None:
+        """The server's backend's base for deltas (``/weight_base``); None from a server that
+        has no such route (vLLM's own, or one without weight routes)."""
+        if self.server.dialect != "gen-serve" or not self.server.weight_deltas:
+            return None
+        self.lifecycle.check_open(WeightUpdateError)
+        base = self._wire.call("GET", "/weight_base")["weight_base"]
+        if base is None:
+            return None
+        version = base["version"]
+        return WeightBase(
+            version=None if version is None else int(version),
+            checksum=int(base["checksum"]),
+            dtypes={str(name): str(dtype) for name, dtype in base["dtypes"].items()},
+        )
 
     def collective_ranks(self) -> int:
         self._require_weight_routes("collective_ranks", "collective")
@@ -137,7 +155,8 @@ class RemoteWeights:
                     "load": opened.loads.seconds,
                     "commit": done - committing,
                 },
-                opened.nbytes,
+                opened.size.whole_bytes,
+                opened.size,
             )
         self.metrics.set_weight_version(committed)
         self.lifecycle.weights_arrived()
@@ -164,7 +183,7 @@ class RemoteWeights:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _load(self, update_info: dict[str, Any], nbytes: int) -> None:
+    def _load(self, update_info: dict[str, Any], size: LoadSize) -> None:
         """One ``/update_weights``: a load of the open update, or an update of its own."""
         opened = self._open_update
         loads = opened.loads if opened is not None else LoadsInFlight()
@@ -175,12 +194,12 @@ class RemoteWeights:
         finally:
             loads.finished()
         if opened is not None:
-            opened.nbytes += nbytes
+            opened.size += size
             return
         seconds = loads.seconds
         version = self.weight_version  # the server committed it as an update of its own
         self._announced = max(self._announced, version)
-        self.metrics.refit_committed(seconds, {"load": seconds}, nbytes)
+        self.metrics.refit_committed(seconds, {"load": seconds}, size.whole_bytes, size)
         self.metrics.set_weight_version(version)
         self.lifecycle.weights_arrived()
 

@@ -2,7 +2,8 @@
 
 A weight update is one transaction: ``/start_weight_update`` opens it, each ``/update_weights``
 is one load (shared-memory handles on this machine, or a broadcast over the weight group joined
-with ``/init_weight_transfer_engine``), ``/finish_weight_update`` commits it (verified, with the
+with ``/init_weight_transfer_engine``; either may carry deltas against the base ``/weight_base``
+describes), ``/finish_weight_update`` commits it (verified, with the
 version it names) and ``/abort_weight_update`` drops it. ``/pause?mode=keep|abort`` opens the
 transaction at once, so running rows hold (``keep``) or end cut short (``abort``) exactly as an
 update in flight makes them; ``mode=wait`` first lets requests in flight finish. ``/resume``
@@ -235,6 +236,12 @@ def weight_router(state: ServerState) -> APIRouter:
     @router.get("/weight_info")
     async def weight_info() -> Any:
         return {"weight_version": str(backend.weight_version)}
+
+    @router.get("/weight_base")
+    async def weight_base() -> Any:
+        """This server's: the committed weights its backend takes deltas against
+        (``GenerationInterface.weight_base``; null: none, every tensor comes whole)."""
+        return {"weight_base": await _blocking(state, backend.weight_base)}
 
     @router.post("/weight_checker")
     async def weight_checker() -> Any:

@@ -85,6 +85,7 @@ def info_router(state: ServerState) -> APIRouter:
             "has_tokenizer": state.codec is not None,
             "control_routes": state.settings.control_routes,
             "weight_routes": state.settings.weight_routes,
+            "weight_deltas": state.settings.weight_routes,  # /weight_base is served
             "weight_version": backend.weight_version,
             "state": backend.state,
             # (MoE layers, top_k) when every row's choice carries its routed experts

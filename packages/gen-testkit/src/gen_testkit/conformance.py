@@ -22,6 +22,7 @@ properties rely on its short generations and its many stop tokens. Capability fl
 
 from gen_testkit.suite.base import ConformanceSubject, conformance_config
 from gen_testkit.suite.capabilities import CapabilityProperties
+from gen_testkit.suite.deltas import WeightDeltaProperties
 from gen_testkit.suite.determinism import DeterminismProperties
 from gen_testkit.suite.layout import LayoutProperties
 from gen_testkit.suite.lifecycle import LifecycleProperties
@@ -40,9 +41,10 @@ class GenerationConformanceSuite(
     CapabilityProperties,
     TextProperties,
     MetricsProperties,
+    WeightDeltaProperties,
 ):
     """The CONTRACT's generation rules, as tests a backend's test class inherits.
 
     Subclasses provide the class-scoped ``subject`` fixture and set the flags of ``SuiteBase``
-    (``claims_score``, ``claims_weight_updates``).
+    (``claims_score``, ``claims_weight_updates``, ``claims_weight_deltas``).
     """

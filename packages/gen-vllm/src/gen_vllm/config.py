@@ -42,6 +42,9 @@ class VllmSpecificArgs(TypedDict, total=False):
     generate_timeout_s: float  # how long one generate or score call may take (3600)
     update_timeout_s: float  # how long a weight update may take (900)
     control_timeout_s: float  # how long sleep, wake-up or a cache reset may take (300)
+    # keep the last committed weights readable in every worker (one copy of the model, in host
+    # memory) and take weight updates as deltas against them (False: every tensor comes whole)
+    weight_deltas: bool
     # NeMo RL's names, translated by complete_vllm_config and then dropped:
     precision: str  # the top-level `dtype` ("bfloat16", "float16", "float32")
     skip_tokenizer_init: bool  # not `load_tokenizer`
@@ -72,6 +75,7 @@ VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
     "generate_timeout_s": 3600.0,
     "update_timeout_s": 900.0,
     "control_timeout_s": 300.0,
+    "weight_deltas": False,
 }
 
 #: ``vllm_cfg`` keys of NeMo RL's that are translated to this project's names.
@@ -117,6 +121,11 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
     _positive_number(cfg, "cpu_kv_cache_gib")
     for key in ("startup_timeout_s", "generate_timeout_s", "update_timeout_s", "control_timeout_s"):
         _positive_number(cfg, key)
+    if cfg["weight_deltas"] and out.get("lora"):
+        raise GenerationConfigError(
+            "`vllm_cfg.weight_deltas` with `lora`: an adapter refit is already small and is "
+            "sent whole; turn weight_deltas off"
+        )
     out["vllm_cfg"] = cfg
     out.setdefault("vllm_kwargs", {})
     return cast(VllmConfig, out)

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 from gen_backend_kit.lora import adapter_specs
-from gen_interface.weights import combine_checksums, weights_checksum
+from gen_interface.weights import WeightBase, combine_checksums, weights_checksum
 
 from gen_vllm.checkpoint import checkpoint_specs
 from gen_vllm.messages import UpdateReport
+from gen_vllm.staging import committed_weights_for
 
 __all__ = ["UpdatableVllmInternalWorker"]
 
@@ -55,6 +56,38 @@ class UpdatableVllmInternalWorker:
             specs, optional = checkpoint_specs(self.model_config.model, self.model_config.dtype)
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
+
+    # ---- the readable copy of the committed weights (staging.py) ---------------------------
+
+    def keep_committed_weights(self) -> int:
+        """From the next update on, keep a readable copy of the committed weights and stage
+        every update in it (``vllm_cfg.weight_deltas``). Returns the bytes it will hold."""
+        engine = self.weight_transfer_engine
+        if getattr(engine, "committed", None) is None:
+            specs, _ = self.checkpoint_specs()
+            engine.committed = committed_weights_for(specs)
+            engine.staged = False
+        return sum(
+            torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+            for shape, dtype in self.checkpoint_specs()[0].values()
+        )
+
+    def committed_weights_base(self) -> WeightBase | None:
+        """The copy's ``WeightBase`` (None without a copy)."""
+        committed = getattr(self.weight_transfer_engine, "committed", None)
+        return None if committed is None else committed.base()
+
+    def drop_staged_weights(self) -> None:
+        """The update is dropped before its finish: undo it in the copy."""
+        engine = self.weight_transfer_engine
+        if getattr(engine, "committed", None) is not None:
+            engine.drop_staged()
+
+    def commit_staged_weights(self, version: int) -> None:
+        """The update committed as ``version``: the copy is its weights."""
+        committed = getattr(self.weight_transfer_engine, "committed", None)
+        if committed is not None:
+            committed.commit(version)
 
     def capture_routed_experts(self, native: bool = False) -> list[int] | str:
         """Start reading every forward's MoE routing (``gen_vllm.routing``), or with

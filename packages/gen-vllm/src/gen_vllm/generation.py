@@ -34,7 +34,7 @@ from gen_interface import (
 )
 from gen_interface.schema import ForeignKeys
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
-from gen_interface.weights.handles import WeightHandles
+from gen_interface.weights.handles import WeightBase, WeightHandles
 
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
@@ -129,6 +129,12 @@ class VllmGeneration(GenerationBackend):
             for name, (shape, dtype) in first["checkpoint_specs"].items()
         }
         adapter = self._serve_adapter(config, checkpoint) if config.get("lora") else {}
+        #: Bytes of each rank's copy of the committed weights (``weight_deltas``; 0: none).
+        self.committed_copy_bytes = (
+            self.replicas.keep_committed_weights() if cfg["weight_deltas"] else 0
+        )
+        # with the copy, every update is staged in it until the commit (staging.py)
+        staged = checkpoint if cfg["weight_deltas"] else adapter
         self._loop = BackgroundLoop()
         self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
         self._delivery = DeliveryTimes()
@@ -146,7 +152,7 @@ class VllmGeneration(GenerationBackend):
             weights_absent=DUMMY_WEIGHTS if cfg["load_format"] == "dummy" else None,
             max_top_logprobs=cfg["max_logprobs"],
             routed_experts=None if self._routing is None else self._routing[:2],
-            staged_weights=adapter,
+            staged_weights=staged,
         )
 
     def _serve_adapter(self, config: VllmConfig, checkpoint: TensorSpecs) -> TensorSpecs:
@@ -426,6 +432,20 @@ class VllmGeneration(GenerationBackend):
 
     def _abort_update(self, written: bool) -> None:
         self._updates.abort(written)
+
+    def _weight_base(self) -> WeightBase | None:
+        """The copy every rank of every replica holds, when they all hold the same one; a base
+        of no version (every tensor comes whole) when they differ (a new replica)."""
+        if not self.committed_copy_bytes:
+            return None
+        bases = [base for replica in self.replicas.weight_base() for base in replica]
+        if any(base is None for base in bases):
+            return None
+        first = bases[0]
+        assert first is not None
+        if any(base != first for base in bases[1:]):
+            return WeightBase(version=None, checksum=0, dtypes=first["dtypes"])
+        return first
 
     def collective_ranks(self) -> int:
         return sum(len(info["device_ids"]) for info in self.replicas.infos)

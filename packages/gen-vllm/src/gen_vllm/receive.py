@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
-from gen_backend_kit.weights import handles_for_device, receive_broadcast
+from gen_backend_kit.weights import handles_for_device, receive_broadcast_entries
 from gen_backend_kit.weights.consumer import map_bucket
 from gen_interface import WeightUpdateError
 from gen_interface.weights.collective import BroadcastBucket, WeightGroup
-from gen_interface.weights.handles import WeightHandles
-from gen_interface.weights.layout import unpack_verified
+from gen_interface.weights.delta import TensorDelta
+from gen_interface.weights.handles import TensorSlot, WeightHandles
+from gen_interface.weights.layout import Entry, unpack_entries
 
-__all__ = ["LoadInfo", "ReceivedBucket", "receive_load"]
+__all__ = ["LoadInfo", "ReceivedBucket", "receive_load", "whole_tensors"]
 
 
 class LoadInfo(TypedDict, total=False):
@@ -31,9 +32,10 @@ class LoadInfo(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class ReceivedBucket:
-    """One verified bucket: its tensors (views of ``data``) and its checksum."""
+    """One verified bucket: its entries (tensors, or deltas, viewing the received bytes) and its
+    checksum."""
 
-    tensors: Iterator[tuple[str, torch.Tensor]]  # each verified just before it is yielded
+    entries: Iterator[tuple[TensorSlot, Entry]]  # each verified just before it is yielded
     checksum: int
     # The producer's bucket the tensors view, when it is shared memory the producer reuses:
     # anything that must outlive the load has to be copied out of it. None otherwise.
@@ -61,7 +63,7 @@ def receive_load(
         for bucket in handles["buckets"]:
             data = map_bucket(handles, bucket, cache=reusable)
             yield ReceivedBucket(
-                unpack_verified(data, bucket["tensors"]),
+                unpack_entries(data, bucket["tensors"]),
                 bucket["checksum"],
                 data if reusable else None,
                 tuple(slot["name"] for slot in bucket["tensors"]),
@@ -74,8 +76,26 @@ def receive_load(
             )
         bucket = info["broadcast"]
         names = tuple(slot["name"] for slot in bucket["tensors"])
-        yield ReceivedBucket(receive_broadcast(group, bucket), bucket["checksum"], None, names)
+        entries = receive_broadcast_entries(group, bucket)
+        yield ReceivedBucket(entries, bucket["checksum"], None, names)
     else:
         raise WeightUpdateError(
             f"a weight load names neither handles nor a broadcast: {sorted(info)}"
         )
+
+
+def whole_tensors(
+    entries: Iterator[tuple[TensorSlot, Entry]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a bucket for a worker that keeps no base: a delta is refused.
+
+    Raises:
+        WeightUpdateError (while iterating): a delta arrived.
+    """
+    for slot, entry in entries:
+        if isinstance(entry, TensorDelta):
+            raise WeightUpdateError(
+                f"weight {slot['name']!r} arrived as a delta, and this worker keeps no base to "
+                "apply it to (vllm_cfg.weight_deltas is off): send whole tensors"
+            )
+        yield slot["name"], entry

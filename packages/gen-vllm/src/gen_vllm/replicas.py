@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gen_interface import BackendBrokenError, BackendUnavailableError, GenerationError, InFlight
+from gen_interface.weights import WeightBase
 from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.cluster import Bundle, RayVirtualCluster
@@ -184,6 +185,24 @@ class ReplicaSet:
             [a.use_adapter.remote(settings, adapter_path) for a in self.actors],
             self.timeouts.control_s,
             "use_adapter",
+        )
+
+    def keep_committed_weights(self) -> int:
+        """Every worker keeps a readable copy of the committed weights (``vllm_cfg.
+        weight_deltas``); returns the bytes each rank holds."""
+        sizes = self._wait(
+            [a.keep_committed_weights.remote() for a in self.actors],
+            self.timeouts.control_s,
+            "keep_committed_weights",
+        )
+        return int(sizes[0]) if sizes else 0
+
+    def weight_base(self) -> list[list[WeightBase | None]]:
+        """Every replica's ranks' copies of the committed weights, described."""
+        return self._wait(
+            [a.weight_base.remote() for a in self.actors],
+            self.timeouts.control_s,
+            "weight_base",
         )
 
     def reset_prefix_cache(self) -> list[bool]:

@@ -22,12 +22,14 @@ from typing import Any, cast
 
 import torch
 from gen_backend_kit.lora import is_adapter_weight
+from gen_backend_kit.weights import CommittedWeights
 from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from gen_vllm.extension import UpdatableVllmInternalWorker
-from gen_vllm.receive import receive_load
+from gen_vllm.receive import receive_load, whole_tensors
+from gen_vllm.staging import stage_entries
 
 __all__ = ["ENGINE_NAME", "GenWeightTransferEngine", "UpdatableVllmInternalWorker"]
 
@@ -57,6 +59,9 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     ``adapter`` the LoRA adapter tensors it carried (copies, kept for the worker to serve at the
     commit: vLLM's model takes none of them). vLLM's layerwise reload starts with the first
     bucket that carries base weights, so an adapter-only update leaves the model untouched.
+
+    ``committed``: with ``vllm_cfg.weight_deltas``, the readable copy of the last committed
+    weights (``staging.py``); every update is then staged there and loaded at its finish.
     """
 
     init_info_cls = GenInitInfo
@@ -67,6 +72,8 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         self.received: list[int] = []
         self.adapter: dict[str, torch.Tensor] = {}
         self.group: WeightGroup | None = None
+        self.committed: CommittedWeights | None = None
+        self.staged = False  # this update wrote into ``committed``
         self._reloading = False
 
     def init_transfer_engine(self, init_info: GenInitInfo) -> None:
@@ -76,6 +83,9 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
 
     def start_weight_update(self) -> None:
         self.received, self.adapter, self._reloading = [], {}, False
+        self.staged = False
+        if self.committed is not None:
+            self.committed.begin()
 
     def receive_weights(self, update_info: GenUpdateInfo) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -83,7 +93,12 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         info = {k: v for k, v in vars(update_info).items() if v is not None}
         gpu = _device_uuid(self.device)
         for bucket in receive_load(info, device_uuid=gpu, group=self.group):
-            base = self._keep_adapter(bucket.tensors)
+            if self.committed is not None:
+                self.staged = True
+                stage_entries(self.committed, bucket.entries)
+                self.received.append(bucket.checksum)
+                continue
+            base = self._keep_adapter(whole_tensors(bucket.entries))
             if not self._reloading and not all(map(is_adapter_weight, bucket.names)):
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
@@ -106,11 +121,31 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
                 yield name, tensor
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
+        if self.staged and self.committed is not None:  # the commit: load from the copy
+            self.staged = False
+            try:
+                initialize_layerwise_reload(self.model)
+                cast(Any, self.model).load_weights(self.committed.items())
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as exc:  # the engine's weights are now unknown: not a refusal
+                raise RuntimeError(
+                    f"loading the staged weights into the engine failed: {exc}"
+                ) from exc
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
+
+    def drop_staged(self) -> None:
+        """The update is dropped before its finish: nothing reaches the engine, and the copy
+        undoes it (or, when a tensor came whole, holds no base until a complete update)."""
+        if self.committed is not None:
+            self.committed.rollback()
+        self.staged = False
 
     def shutdown(self) -> None:
         self.group = None

@@ -16,7 +16,13 @@ import time
 from typing import Any
 
 from gen_backend_kit.weights.updates import LoadWait
-from gen_interface import GenerationError, InFlight, MixedWeightsError, WeightUpdateError
+from gen_interface import (
+    GenerationError,
+    InFlight,
+    MixedWeightsError,
+    WeightBaseError,
+    WeightUpdateError,
+)
 
 from gen_vllm.receive import LoadInfo
 from gen_vllm.refit import verify_update
@@ -51,9 +57,12 @@ class ReplicaUpdateSteps:
             failed = _errors(outcomes())
             if failed:
                 _raise_if_lost(failed)
-                raise WeightUpdateError(
-                    f"a weight load failed on {len(failed)} replica(s): {failed[0]}"
+                kind = (
+                    WeightBaseError
+                    if all(isinstance(e, WeightBaseError) for e in failed)
+                    else WeightUpdateError
                 )
+                raise kind(f"a weight load failed on {len(failed)} replica(s): {failed[0]}")
 
         return wait
 

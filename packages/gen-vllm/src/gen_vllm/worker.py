@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gen_interface import BackendUnavailableError, InFlight
+from gen_interface.weights import WeightBase
 from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.adapter import ADAPTER_ID, ADAPTER_NAME
@@ -82,6 +83,7 @@ class VllmGenerationWorker:
             os.sched_setaffinity(0, cpu_ids)
             os.environ["OMP_NUM_THREADS"] = str(threads)
         self._updating = False  # vLLM's weight-update transaction is open
+        self._keeps_copy = False  # updates are staged in a copy of the weights (weight_deltas)
         self._load_order = LoadOrder()
         self._adapter: tuple[dict[str, Any], str] | None = None  # (lora settings, its directory)
         self._info: WorkerInfo | None = None  # set once the engine is up
@@ -266,15 +268,21 @@ class VllmGenerationWorker:
     async def end_weight_update(self, version: int | None, cut: bool) -> None:
         """Resume after an update: committed as ``version``, or dropped (None). ``cut``: end
         the rows the update paused, with their tokens so far (it wrote weights that are now
-        part old, part new). vLLM's transaction is closed first if it is still open."""
+        part old, part new). vLLM's transaction is closed first if it is still open; an update
+        staged in the copy of the committed weights (``weight_deltas``) is undone there first
+        (the engine never saw it)."""
 
         def end() -> None:
             engine = self._loop.engine
             try:
+                if version is None and self._keeps_copy:
+                    engine.collective_rpc("drop_staged_weights")
                 if self._updating:  # dropped before finish_weight_update
                     self._updating = False
                     engine.collective_rpc("finish_weight_update")
                 if version is not None:
+                    if self._keeps_copy:
+                        engine.collective_rpc("commit_staged_weights", (version,))
                     self._loop.set_version(version)
                     self._serve_new_adapter(version)
                 if version is not None or cut:
@@ -287,6 +295,23 @@ class VllmGenerationWorker:
                 self._loop.resume()
 
         await self._loop.call(end)
+
+    async def keep_committed_weights(self) -> int:
+        """Every rank keeps a readable copy of the committed weights from the next update on,
+        and stages updates in it (``vllm_cfg.weight_deltas``); returns its bytes per rank."""
+
+        def keep() -> int:
+            sizes = self._loop.engine.collective_rpc("keep_committed_weights")
+            self._keeps_copy = True
+            return int(sizes[0])
+
+        return await self._loop.call(keep)
+
+    async def weight_base(self) -> list[WeightBase | None]:
+        """Each rank's copy of the committed weights, described (None: it keeps none)."""
+        return await self._loop.call(
+            lambda: self._loop.engine.collective_rpc("committed_weights_base")
+        )
 
     async def init_collective(self, endpoint: CollectiveEndpoint, rank: int) -> None:
         """Join the trainer's weight group: this engine's tensor-parallel rank r as ``rank + r``."""

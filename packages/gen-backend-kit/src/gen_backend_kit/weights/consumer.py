@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import combine_checksums
 from gen_interface.weights.chunked import verified_copy
 from gen_interface.weights.cuda_ipc import import_cuda_bucket
+from gen_interface.weights.delta import TensorDelta
 from gen_interface.weights.handles import (
     HANDLES_FORMAT,
     WeightBucket,
@@ -20,13 +21,17 @@ from gen_interface.weights.handles import (
     dtype_from_name,
     dtype_name,
 )
-from gen_interface.weights.layout import unpack, unpack_verified
+from gen_interface.weights.layout import unpack, unpack_entries, unpack_verified
 from gen_interface.weights.shm import map_segment, unlink_segment
+
+if TYPE_CHECKING:
+    from gen_backend_kit.weights.committed import CommittedWeights
 
 __all__ = [
     "TensorSpecs",
     "check_update_is_complete",
     "check_weights_match",
+    "delta_bases",
     "handles_checksum",
     "handles_for_device",
     "map_bucket",
@@ -178,11 +183,19 @@ def iter_shared_weights(handles: Mapping[str, Any]) -> Iterator[tuple[str, torch
         yield from unpack_verified(_map(handles, bucket), bucket["tensors"])
 
 
-def write_shared_weights(handles: Mapping[str, Any], targets: Mapping[str, torch.Tensor]) -> int:
+def write_shared_weights(
+    handles: Mapping[str, Any],
+    targets: Mapping[str, torch.Tensor],
+    committed: CommittedWeights | None = None,
+) -> int:
     """Copy every weight of ``handles`` into ``targets[name]`` in place, verifying each byte just
     before it is written: a host tensor of the same dtype is verified and copied chunk by chunk,
     on a few threads (``chunked.verified_copy``), so its bytes are read from memory once; any
     other (a cast, a GPU model) is verified whole, then copied.
+
+    With ``committed`` (views of ``targets``), a delta is applied through it (its base checked
+    before anything is written, the tensor it makes checked against the trainer's checksum) and
+    every whole tensor is recorded there; without, a delta is refused.
 
     The caller has checked names, shapes and dtypes (``check_weights_match``) and holds off
     every reader of ``targets`` meanwhile.
@@ -191,25 +204,43 @@ def write_shared_weights(handles: Mapping[str, Any], targets: Mapping[str, torch
         The number of tensors written.
 
     Raises:
-        WeightUpdateError: a segment is gone or on another host, or bytes changed since they
-            were shared; the tensors (and, within a tensor, the chunks) before it were written,
-            each verified.
+        WeightUpdateError: a segment is gone or on another host, bytes changed since they
+            were shared, or a delta was refused (``WeightBaseError`` for its base); the tensors
+            (and, within a tensor, the chunks) before it were written, each verified.
     """
     written = 0
     with torch.no_grad():
         for bucket in handles["buckets"]:
             data = _map(handles, bucket)
             for slot in bucket["tensors"]:
-                target = targets[slot["name"]]
-                if _copies_bytewise(target, slot):
+                name = slot["name"]
+                target = targets[name]
+                if "delta" in slot:
+                    for _, delta in unpack_entries(data, [slot]):
+                        if committed is None or not isinstance(delta, TensorDelta):
+                            raise WeightUpdateError(
+                                f"weight {name!r} arrived as a delta, and this receiver keeps "
+                                "no base to apply it to: send whole tensors"
+                            )
+                        committed.apply(name, delta)
+                elif _copies_bytewise(target, slot):
                     source = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
                     flat = target.detach().view(-1).view(torch.uint8)
-                    verified_copy(flat, source, slot["chunks"], slot["name"])
+                    verified_copy(flat, source, slot["chunks"], name)
+                    if committed is not None:
+                        committed.write(name, target, slot["checksum"])
                 else:
                     for _, tensor in unpack_verified(data, [slot]):
                         target.copy_(tensor)
+                    if committed is not None:
+                        committed.write(name, target)
                 written += 1
     return written
+
+
+def delta_bases(slots: Iterable[Mapping[str, Any]]) -> set[int]:
+    """The base versions the deltas among ``slots`` name (empty: no delta)."""
+    return {int(slot["delta"]["base_version"]) for slot in slots if "delta" in slot}
 
 
 def _copies_bytewise(target: torch.Tensor, slot: Mapping[str, Any]) -> bool:

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 
 import torch
 from gen_interface.weights.collective import BroadcastBucket, WeightGroup, broadcast
-from gen_interface.weights.layout import unpack_verified
+from gen_interface.weights.handles import TensorSlot
+from gen_interface.weights.layout import Entry, unpack_entries, unpack_verified
 
-__all__ = ["receive_broadcast"]
+__all__ = ["receive_broadcast", "receive_broadcast_entries"]
 
 
 def receive_broadcast(
@@ -31,3 +32,18 @@ def receive_broadcast(
     data = torch.empty(max(bucket["nbytes"], 1), dtype=torch.uint8, device=group.device)
     broadcast(group, data)
     return unpack_verified(data, bucket["tensors"])
+
+
+def receive_broadcast_entries(
+    group: WeightGroup, bucket: BroadcastBucket
+) -> Iterator[tuple[TensorSlot, Entry]]:
+    """``receive_broadcast`` for a worker that keeps a base: ``(slot, tensor or delta)`` of
+    every slot, each verified (a delta's encoded bytes) just before it is yielded.
+
+    Raises:
+        WeightUpdateError (while iterating): bytes differ from what the trainer sent, or a
+            delta is malformed.
+    """
+    data = torch.empty(max(bucket["nbytes"], 1), dtype=torch.uint8, device=group.device)
+    broadcast(group, data)
+    return unpack_entries(data, bucket["tensors"])

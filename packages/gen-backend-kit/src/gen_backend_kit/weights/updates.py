@@ -17,12 +17,12 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gen_interface.errors import StaleWeightsError, WeightUpdateError
-from gen_interface.weights.handles import describe_weight_handles
+from gen_interface.errors import StaleWeightsError, WeightBaseError, WeightUpdateError
+from gen_interface.weights.handles import LoadSize, describe_weight_handles
 
 from gen_backend_kit.lifecycle import Lifecycle, LifecycleView
 from gen_backend_kit.metrics import GenerationMetrics
-from gen_backend_kit.weights.consumer import TensorSpecs, check_update_is_complete
+from gen_backend_kit.weights.consumer import TensorSpecs, check_update_is_complete, delta_bases
 from gen_backend_kit.weights.loads_in_flight import LoadsInFlight
 from gen_backend_kit.weights.transaction import WeightTransaction, next_version
 
@@ -42,6 +42,10 @@ def _nothing(*_: Any) -> None:
     return None
 
 
+def _cannot_restore() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class WeightUpdateSteps:
     """What a backend does at each step of a transaction.
@@ -59,12 +63,16 @@ class WeightUpdateSteps:
         abort: end the update on the workers without a new version (an abort, a refused or
             failed commit); receives whether loads were written. When they were, rows paused
             by ``begin`` must not go on with these weights: they end, cut short.
+        restore: after loads were written, put the old weights back if the backend can (a
+            ``CommittedWeights`` that undoes the update's deltas); returns whether it did.
+            When it did, ``abort`` receives False and the backend serves as before.
     """
 
     load: Callable[[Mapping[str, Any]], LoadWait | None]
     begin: Callable[[int, InFlight], None] = _nothing
     commit: Callable[[int], None] = _nothing
     abort: Callable[[bool], None] = _nothing
+    restore: Callable[[], bool] = _cannot_restore
 
 
 class WeightUpdates:
@@ -133,30 +141,64 @@ class WeightUpdates:
 
     def load(self, handles: Mapping[str, Any]) -> None:
         """One load of the open transaction, or a complete transaction of its own."""
-        self.load_described(describe_weight_handles(handles), lambda: self.steps.load(handles))
+        slots = [slot for bucket in handles.get("buckets", []) for slot in bucket["tensors"]]
+        incoming = describe_weight_handles(handles)
+        self.load_described(
+            incoming,
+            lambda: self.steps.load(handles),
+            size=_size(handles),
+            bases=delta_bases(slots),
+        )
 
-    def load_described(self, incoming: TensorSpecs, write: Callable[[], LoadWait | None]) -> None:
+    def load_described(
+        self,
+        incoming: TensorSpecs,
+        write: Callable[[], LoadWait | None],
+        *,
+        size: LoadSize | None = None,
+        bases: Collection[int] = (),
+    ) -> None:
         """``load`` for any source: ``incoming`` describes what ``write`` writes (an in-process
         state dict, a collective broadcast). ``write`` may return a wait (see
-        ``WeightUpdateSteps.load``); this returns when the load has finished either way."""
+        ``WeightUpdateSteps.load``); this returns when the load has finished either way.
+
+        Args:
+            size: what the load carries (tensors, deltas, bytes), for the metrics; default:
+                every tensor of ``incoming`` whole.
+            bases: the base versions its deltas name: each must be the committed version, or
+                the load is refused before anything is written (``WeightBaseError``).
+        """
         with self._lock:
+            self._check_bases(bases)
             if self._open is None:
-                self._load_whole(incoming, write)
+                self._load_whole(incoming, write, size)
                 return
             self._open.accept_specs(incoming)  # a refused load changes nothing
             timing = self._timing
-            wait = self._submit(timing, incoming, write)
+            wait = self._submit(timing, incoming, write, size)
         if wait is not None:
             _finish(timing.loads, wait)
 
-    def _load_whole(self, incoming: TensorSpecs, write: Callable[[], LoadWait | None]) -> None:
+    def _check_bases(self, bases: Collection[int]) -> None:
+        other = sorted(set(bases) - {self.version})
+        if other:
+            why = "a version was skipped" if other[0] > self.version else "an older base"
+            raise WeightBaseError(
+                f"weight update refused, nothing of this load was written: it carries deltas "
+                f"against version {other[0]}, and the committed weights here are version "
+                f"{self.version} ({why}): send the weights whole"
+            )
+
+    def _load_whole(
+        self, incoming: TensorSpecs, write: Callable[[], LoadWait | None], size: LoadSize | None
+    ) -> None:
         """A single call is a whole update: check it all before anything is written."""
         check_update_is_complete(incoming, self.model, self.optional, self.groups)
         self.start()
         try:
             assert self._open is not None
             self._open.accept_specs(incoming)
-            wait = self._submit(self._timing, incoming, write)
+            wait = self._submit(self._timing, incoming, write, size)
             if wait is not None:
                 _finish(self._timing.loads, wait)
             self.commit()
@@ -197,7 +239,8 @@ class WeightUpdates:
                     "load": timing.loads.seconds,
                     "commit": commit_seconds,
                 },
-                timing.nbytes,
+                timing.size.whole_bytes,
+                timing.size,
             )
             self.metrics.set_weight_version(txn.version)
             self.lifecycle.weights_arrived()
@@ -216,6 +259,11 @@ class WeightUpdates:
         (otherwise it is logged: an error is already on its way to the caller)."""
         self._timing.loads.wait_idle()  # a load still running ends before the update does
         written = txn.loads > 0 and bool(txn.received - self.staged)  # served weights touched
+        if written:
+            try:
+                written = not self.steps.restore()
+            except Exception:
+                logger.exception("putting the old weights back after a dropped update failed")
         try:
             self.steps.abort(written)
         except Exception:
@@ -248,6 +296,7 @@ class WeightUpdates:
         timing: _UpdateTiming,
         incoming: TensorSpecs,
         write: Callable[[], LoadWait | None],
+        size: LoadSize | None = None,
     ) -> LoadWait | None:
         """Run ``write``; its wait when it handed the load over (still running) instead."""
         timing.loads.started()
@@ -256,7 +305,10 @@ class WeightUpdates:
         except BaseException:
             timing.loads.finished()
             raise
-        timing.nbytes += sum(shape.numel() * dtype.itemsize for shape, dtype in incoming.values())
+        if size is None:
+            whole = sum(shape.numel() * dtype.itemsize for shape, dtype in incoming.values())
+            size = LoadSize(len(incoming), 0, whole, whole)
+        timing.size += size
         if wait is None:
             timing.loads.finished()
         return wait
@@ -323,7 +375,18 @@ class _UpdateTiming:
     started: float = field(default_factory=time.perf_counter)
     begin_seconds: float = 0.0
     loads: LoadsInFlight = field(default_factory=LoadsInFlight)
-    nbytes: int = 0
+    size: LoadSize = field(default_factory=LoadSize)
+
+
+def _size(handles: Mapping[str, Any]) -> LoadSize:
+    """What the handles carry, counting one place's copy (a copy per GPU is the same load)."""
+    size = LoadSize()
+    seen: set[str] = set()
+    for bucket in handles.get("buckets", []):
+        slots = [slot for slot in bucket["tensors"] if slot["name"] not in seen]
+        seen.update(slot["name"] for slot in slots)
+        size += LoadSize.of_slots(slots)
+    return size
 
 
 def _finish(loads: LoadsInFlight, wait: LoadWait) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from gen_interface.weights.chunked import chunk_checksums
 
-__all__ = ["bytes_checksum", "combine_checksums", "weights_checksum"]
+__all__ = ["bytes_checksum", "combine_checksums", "named_checksums", "weights_checksum"]
 
 _MASK63 = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
@@ -52,12 +52,18 @@ def combine_checksums(checksums: Iterable[int]) -> int:
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Checksum of named tensors, independent of iteration order, sensitive to names and bytes."""
+    return named_checksums((name, bytes_checksum(tensor)) for name, tensor in named_tensors)
+
+
+def named_checksums(checksums: Iterable[tuple[str, int]]) -> int:
+    """One checksum of ``(name, bytes_checksum)`` pairs, independent of their order:
+    ``weights_checksum`` of tensors whose checksums are already known."""
     import xxhash
 
     combined = 0
-    for name, tensor in named_tensors:
+    for name, checksum in checksums:
         name_hash = xxhash.xxh3_64_intdigest(name.encode())
-        combined += _mix(name_hash ^ (bytes_checksum(tensor) * 0x9E3779B97F4A7C15))
+        combined += _mix(name_hash ^ (checksum * 0x9E3779B97F4A7C15))
     return combined & _MASK63
 
 

@@ -28,9 +28,10 @@ import torch
 
 from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import combine_checksums
-from gen_interface.weights.handles import TensorSlot
-from gen_interface.weights.layout import group_bytes, pack, plan_buckets
+from gen_interface.weights.handles import LoadSize, TensorSlot
+from gen_interface.weights.layout import Entry, group_bytes, iter_buckets, pack
 from gen_interface.weights.producer import named_tensors
+from gen_interface.weights.sent import SentWeights
 
 if TYPE_CHECKING:
     from gen_interface.interface import GenerationInterface, InFlight
@@ -114,12 +115,20 @@ def broadcast(group: WeightGroup, data: torch.Tensor) -> None:
 class WeightBroadcaster:
     """The trainer's end of the collective path to one backend.
 
-    Build it with ``connect``; it holds the group until ``close``.
+    Build it with ``connect``; it holds the group until ``close``. With ``deltas`` (the
+    default), a backend that keeps a base (``weight_base()``) gets each tensor whole or as a
+    delta against the version it holds, whichever is smaller, and this broadcaster keeps a copy
+    of the weights it last sent (``SentWeights``: one copy of the model in the backend's
+    dtypes, in this process). Deltas are taken of host tensors only.
     """
 
-    def __init__(self, backend: GenerationInterface, group: WeightGroup):
+    def __init__(self, backend: GenerationInterface, group: WeightGroup, *, deltas: bool = True):
         self.backend = backend
         self.group = group
+        self.deltas = deltas
+        self._sent = SentWeights()
+        #: What the last refit carried (tensors, deltas, whole and sent bytes); None before one.
+        self.last_size: LoadSize | None = None
 
     @classmethod
     def connect(
@@ -130,6 +139,7 @@ class WeightBroadcaster:
         host: str | None = None,
         port: int = 0,
         timeout_s: float = 300.0,
+        deltas: bool = True,
     ) -> WeightBroadcaster:
         """Form the group: the backend's workers join while this process serves as rank 0.
 
@@ -140,6 +150,7 @@ class WeightBroadcaster:
             host: this machine's address as the workers reach it; default: its host name's.
             port: the rendezvous port; 0 picks a free one.
             timeout_s: how long forming the group and each broadcast may take.
+            deltas: send deltas where the backend takes them (see the class).
         """
         endpoint = CollectiveEndpoint(
             host=host or socket.gethostbyname(socket.gethostname()),
@@ -153,7 +164,7 @@ class WeightBroadcaster:
             group = join_weight_group(endpoint, 0, torch.device(device))
         finally:
             joined.result()
-        return cls(backend, group)
+        return cls(backend, group, deltas=deltas)
 
     def refit(
         self,
@@ -164,16 +175,38 @@ class WeightBroadcaster:
         bucket_bytes: int = DEFAULT_BROADCAST_BYTES,
     ) -> int:
         """Broadcast ``state_dict`` to every worker as one transaction; returns the version.
-        ``in_flight``: what happens to rows running meanwhile (``start_weight_update``).
+        ``in_flight``: what happens to rows running meanwhile (``start_weight_update``). With
+        deltas, each bucket's deltas are taken while the bucket before it loads.
 
         Raises:
             WeightUpdateError: the backend refused or failed the update (it was aborted).
         """
-        tensors = named_tensors(state_dict)
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for name, entry in named_tensors(state_dict):
+            if not isinstance(entry, torch.Tensor):
+                raise ValueError(f"{name!r}: a refit takes tensors and makes any deltas itself")
+            tensors.append((name, entry))
+
+        def run(entries: Iterable[tuple[str, Entry]]) -> int:
+            return self._send(entries, version, in_flight, bucket_bytes)
+
+        if self.deltas and self.group.device.type == "cpu":
+            return self._sent.send(self.backend, tensors, run)
+        return run(tensors)
+
+    def _send(
+        self,
+        entries: Iterable[tuple[str, Entry]],
+        version: int | None,
+        in_flight: InFlight,
+        bucket_bytes: int,
+    ) -> int:
+        """One transaction: every bucket of ``entries`` packed, announced and broadcast."""
         self.backend.start_weight_update(version, in_flight=in_flight)
         loading: _Background | None = None
+        size = LoadSize()
         try:
-            for group in plan_buckets(tensors, bucket_bytes):
+            for group in iter_buckets(entries, bucket_bytes):
                 device = self.group.device
                 data = torch.empty(max(group_bytes(group), 1), dtype=torch.uint8, device=device)
                 slots, used = pack(data, group)
@@ -182,22 +215,31 @@ class WeightBroadcaster:
                     nbytes=used,
                     checksum=combine_checksums(slot["checksum"] for slot in slots),
                 )
+                size += LoadSize.of_slots(slots)
                 if loading is not None:
                     loading.result()  # one load at a time; packing overlapped with it
                 loading = _Background(self.backend.update_weights_from_collective, bucket)
                 broadcast(self.group, data)
             if loading is not None:
                 loading.result()
-            return self.backend.commit_weight_update()
+            committed = self.backend.commit_weight_update()
+            self.last_size = size
+            return committed
         except BaseException:
             if loading is not None:
                 loading.wait()
             self.backend.abort_weight_update()
             raise
 
+    def sent_bytes(self) -> int:
+        """Bytes of the copy of the last weights sent, kept for deltas (0 without deltas)."""
+        return self._sent.nbytes
+
     def close(self) -> None:
-        """Leave the group (the backend's workers leave at their shutdown)."""
+        """Leave the group (the backend's workers leave at their shutdown) and free the copy
+        kept for deltas."""
         self.group.group = None
+        self._sent.forget()
 
 
 class _Background:

@@ -7,6 +7,7 @@ alike; tensors are rebuilt on the consumer side from the names, dtypes, shapes a
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
 import torch
@@ -15,7 +16,10 @@ from gen_interface.errors import WeightUpdateError
 
 __all__ = [
     "HANDLES_FORMAT",
+    "DeltaSlot",
+    "LoadSize",
     "TensorSlot",
+    "WeightBase",
     "WeightBucket",
     "WeightHandles",
     "bucket_place",
@@ -32,8 +36,24 @@ HANDLES_FORMAT = 3
 BucketTransport = Literal["shm", "cuda_ipc"]
 
 
+class DeltaSlot(TypedDict):
+    """A tensor sent as a delta (``gen_interface.weights.delta``): what its slot's bytes encode
+    and the base they apply to."""
+
+    encoding: str  # "xor-sparse"
+    count: int  # elements changed
+    block: int  # 256 or 65536: elements per block of the positions
+    planes: int  # low bytes kept of each change's XOR
+    wide: int  # changes whose XOR needs more bytes, listed whole
+    base_version: int  # the committed weight version the delta applies to
+    base_checksum: int  # bytes_checksum of that base tensor (host XXH3)
+    checksum: int  # bytes_checksum of the tensor the delta makes: the trainer's own
+
+
 class TensorSlot(TypedDict):
-    """One tensor inside a bucket: ``nbytes`` bytes at ``offset``, viewed as ``dtype[shape]``."""
+    """One tensor inside a bucket: ``nbytes`` bytes at ``offset``, viewed as ``dtype[shape]``,
+    or, for a slot with ``delta``, the delta's encoded bytes (``nbytes`` of them) that turn the
+    receiver's base of that tensor into ``dtype[shape]``."""
 
     name: str  # checkpoint (Hugging Face) name, e.g. "model.layers.0.mlp.up_proj.weight"
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
@@ -44,6 +64,9 @@ class TensorSlot(TypedDict):
     # Host buckets: the checksum of every CHUNK_BYTES chunk (``checksum`` combines them), so a
     # consumer can verify each chunk just before copying it, while it is in cache.
     chunks: NotRequired[list[int]]
+    # Present when the slot holds a delta: ``checksum`` and ``chunks`` then cover the delta's
+    # bytes, and ``delta["checksum"]`` the whole tensor it makes.
+    delta: NotRequired[DeltaSlot]
 
 
 class WeightBucket(TypedDict):
@@ -73,6 +96,18 @@ class WeightHandles(TypedDict):
     release_after_read: bool
 
 
+class WeightBase(TypedDict):
+    """The committed weights a backend can take deltas against (``weight_base()``).
+
+    A trainer sends a tensor as a delta only when its own record of the last version it sent
+    has this version and this checksum; anything else gets whole tensors.
+    """
+
+    version: int | None  # the committed version the receiver's copy holds; None: none yet
+    checksum: int  # named_checksums of every tensor's bytes_checksum (0 when version is None)
+    dtypes: dict[str, str]  # each weight's dtype there: deltas are taken in it
+
+
 _DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name in (
@@ -91,6 +126,43 @@ _DTYPES: dict[str, torch.dtype] = {
     )
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 }
+
+
+@dataclass(frozen=True)
+class LoadSize:
+    """What some loads carried: tensors, how many as deltas, and their bytes.
+
+    Attributes:
+        tensors: tensors carried.
+        deltas: of them, sent as deltas.
+        whole_bytes: bytes of the whole tensors they stand for.
+        sent_bytes: bytes that crossed the transport (a delta's own bytes, not its tensor's).
+    """
+
+    tensors: int = 0
+    deltas: int = 0
+    whole_bytes: int = 0
+    sent_bytes: int = 0
+
+    @classmethod
+    def of_slots(cls, slots: Iterable[Mapping[str, Any]]) -> LoadSize:
+        """The size of the slots of one bucket (already described: ``describe_slots``)."""
+        tensors = deltas = whole = sent = 0
+        for slot in slots:
+            numel = torch.Size(slot["shape"]).numel()
+            tensors += 1
+            deltas += "delta" in slot
+            whole += numel * dtype_from_name(slot["dtype"]).itemsize
+            sent += int(slot["nbytes"])
+        return cls(tensors, deltas, whole, sent)
+
+    def __add__(self, other: LoadSize) -> LoadSize:
+        return LoadSize(
+            self.tensors + other.tensors,
+            self.deltas + other.deltas,
+            self.whole_bytes + other.whole_bytes,
+            self.sent_bytes + other.sent_bytes,
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -126,6 +198,9 @@ def describe_slots(
 ) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``{name: (shape, dtype)}`` of one bucket's slots, checked for consistency.
 
+    A slot holding a delta is described by the whole tensor it makes; its ``nbytes`` are the
+    delta's own.
+
     Args:
         slots: the bucket's ``TensorSlot`` entries.
         nbytes: the bucket's size, when known: every slot must lie inside it.
@@ -142,7 +217,7 @@ def describe_slots(
                 raise WeightUpdateError(f"a weight bucket carries {name!r} twice")
             dtype = dtype_from_name(slot["dtype"])
             shape = torch.Size(slot["shape"])
-            if slot["nbytes"] != shape.numel() * dtype.itemsize:
+            if "delta" not in slot and slot["nbytes"] != shape.numel() * dtype.itemsize:
                 raise WeightUpdateError(
                     f"a weight bucket gives {name!r} {slot['nbytes']} bytes, but "
                     f"{dtype_name(dtype)}{list(shape)} needs {shape.numel() * dtype.itemsize}"

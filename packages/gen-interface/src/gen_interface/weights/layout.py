@@ -6,7 +6,7 @@ Shared by the one-shot producer (``share_weights``) and the streaming one (``Buc
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,7 @@ from gen_interface.errors import WeightUpdateError
 from gen_interface.weights.checksum import bytes_checksum, combine_checksums
 from gen_interface.weights.chunked import chunk_checksums, copy_with_checksums
 from gen_interface.weights.cuda_ipc import device_index, device_uuid, export_cuda_bucket
+from gen_interface.weights.delta import TensorDelta
 from gen_interface.weights.handles import (
     HANDLES_FORMAT,
     TensorSlot,
@@ -27,10 +28,14 @@ from gen_interface.weights.shm import create_segment
 
 __all__ = [
     "Allocation",
+    "Entry",
+    "NamedEntries",
     "NamedTensors",
     "Place",
     "describe_bucket",
+    "entry_bytes",
     "fill_bucket",
+    "iter_buckets",
     "local_handles",
     "pack",
     "plan_buckets",
@@ -38,10 +43,14 @@ __all__ = [
     "slot_view",
     "tensor_slot",
     "unpack",
+    "unpack_entries",
     "unpack_verified",
 ]
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+#: What a bucket holds of one weight: the tensor itself, or a delta against the receiver's base.
+Entry = torch.Tensor | TensorDelta
+NamedEntries = list[tuple[str, Entry]]
 
 _ALIGN = 64
 
@@ -76,7 +85,7 @@ class Allocation:
 
 
 def resolve_places(
-    tensors: NamedTensors, devices: Sequence[torch.device | int | str] | None
+    tensors: Sequence[tuple[str, Entry]], devices: Sequence[torch.device | int | str] | None
 ) -> list[Place]:
     """The places a copy goes to: ``devices`` (CUDA devices, indices or GPU UUIDs), else the
     tensors' own device (host memory for CPU tensors).
@@ -87,7 +96,7 @@ def resolve_places(
     """
     if devices is not None:
         return [Place(d) for d in dict.fromkeys(_cuda_device(d) for d in devices)]
-    found = {tensor.device for _, tensor in tensors} or {torch.device("cpu")}
+    found = {_device(entry) for _, entry in tensors} or {torch.device("cpu")}
     if len(found) > 1:
         raise ValueError(
             f"weights on several devices {sorted(map(str, found))}: pass devices=[...] (a copy "
@@ -99,33 +108,45 @@ def resolve_places(
     return [Place(None if device.type == "cpu" else device)]
 
 
-def plan_buckets(tensors: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
+def plan_buckets(tensors: Iterable[tuple[str, Entry]], bucket_bytes: int) -> list[NamedEntries]:
     """Cut ``tensors`` (in order) into groups of at most ``bucket_bytes`` laid out; a tensor
-    larger than that is a group of its own."""
-    groups: list[NamedTensors] = []
-    current: NamedTensors = []
+    larger than that is a group of its own. A delta counts its own bytes."""
+    return list(iter_buckets(tensors, bucket_bytes))
+
+
+def iter_buckets(tensors: Iterable[tuple[str, Entry]], bucket_bytes: int) -> Iterator[NamedEntries]:
+    """``plan_buckets``, each group made once the entries it holds were made (entries made on
+    demand, such as deltas, are then made one bucket ahead of the one being filled)."""
+    current: NamedEntries = []
     size = 0
-    for name, tensor in tensors:
-        nbytes = aligned(tensor.numel() * tensor.element_size())
+    for name, entry in tensors:
+        nbytes = aligned(entry_bytes(entry))
         if current and size + nbytes > bucket_bytes:
-            groups.append(current)
+            yield current
             current, size = [], 0
-        current.append((name, tensor))
+        current.append((name, entry))
         size += nbytes
     if current:
-        groups.append(current)
-    return groups
+        yield current
 
 
-def group_bytes(group: NamedTensors) -> int:
+def entry_bytes(entry: Entry) -> int:
+    """Bytes an entry puts in a bucket: a tensor's, or a delta's encoded ones."""
+    if isinstance(entry, TensorDelta):
+        return entry.nbytes
+    return entry.numel() * entry.element_size()
+
+
+def group_bytes(group: Sequence[tuple[str, Entry]]) -> int:
     """Bytes a group takes in a bucket, alignment included."""
-    return sum(aligned(t.numel() * t.element_size()) for _, t in group)
+    return sum(aligned(entry_bytes(entry)) for _, entry in group)
 
 
-def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int]:
+def pack(data: torch.Tensor, group: Sequence[tuple[str, Entry]]) -> tuple[list[TensorSlot], int]:
     """Copy ``group`` (from any device) into the uint8 tensor ``data``, 64-byte aligned, and take
     each tensor's checksum as it is written (host memory: chunk by chunk, each chunk hashed
-    while still in cache, ``chunked.py``).
+    while still in cache, ``chunked.py``). A delta's slot holds its encoded bytes, their
+    checksum, and the delta's fields.
 
     Returns:
         The slots describing where each tensor went, and the bytes used.
@@ -138,24 +159,34 @@ def pack(data: torch.Tensor, group: NamedTensors) -> tuple[list[TensorSlot], int
         raise ValueError(f"{needed} bytes do not fit a {data.numel()}-byte bucket")
     slots: list[TensorSlot] = []
     offset = 0
-    for name, tensor in group:
-        nbytes = tensor.numel() * tensor.element_size()
+    for name, entry in group:
+        nbytes = entry_bytes(entry)
         region = data[offset : offset + nbytes]
+        tensor = entry.payload if isinstance(entry, TensorDelta) else entry
         source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         if region.device.type == "cpu" and source.device.type == "cpu":
-            slots.append(tensor_slot(name, tensor, offset, copy_with_checksums(region, source)))
+            slot = tensor_slot(name, tensor, offset, copy_with_checksums(region, source))
         elif region.device.type == "cpu":  # from a GPU into host memory
             region.copy_(source)
-            slots.append(tensor_slot(name, tensor, offset, chunk_checksums(region)))
+            slot = tensor_slot(name, tensor, offset, chunk_checksums(region))
         else:
             region.copy_(source)
-            slots.append(tensor_slot(name, tensor, offset, None, bytes_checksum(region)))
+            slot = tensor_slot(name, tensor, offset, None, bytes_checksum(region))
+        if isinstance(entry, TensorDelta):
+            slot["dtype"] = dtype_name(entry.dtype)
+            slot["shape"] = list(entry.shape)
+            slot["delta"] = entry.describe()
+        slots.append(slot)
         offset += aligned(nbytes)
     return slots, offset
 
 
 def unpack(data: torch.Tensor, slots: Sequence[TensorSlot]) -> NamedTensors:
-    """``(name, tensor)`` views of a packed bucket (no copy, no verification)."""
+    """``(name, tensor)`` views of a packed bucket (no copy, no verification).
+
+    Raises:
+        WeightUpdateError: a slot holds a delta (``unpack_entries`` reads those).
+    """
     return [(slot["name"], slot_view(data, slot)) for slot in slots]
 
 
@@ -167,8 +198,29 @@ def unpack_verified(
     twice while they are in cache, not from memory.
 
     Raises:
-        WeightUpdateError: a tensor's bytes differ from what the producer wrote; the tensors
-            yielded before it were intact.
+        WeightUpdateError: a tensor's bytes differ from what the producer wrote (the tensors
+            yielded before it were intact), or a slot holds a delta, which a receiver without
+            a base cannot take (``unpack_entries`` reads those).
+    """
+    for slot, entry in unpack_entries(data, slots):
+        if isinstance(entry, TensorDelta):
+            raise WeightUpdateError(
+                f"weight {slot['name']!r} arrived as a delta, and this receiver keeps no base "
+                "to apply it to: send whole tensors (Refitter(..., deltas=False))"
+            )
+        yield slot["name"], entry
+
+
+def unpack_entries(
+    data: torch.Tensor, slots: Sequence[TensorSlot]
+) -> Iterator[tuple[TensorSlot, Entry]]:
+    """``(slot, tensor or delta)`` of every slot of a packed bucket, viewing ``data``, each
+    verified against its slot's checksum just before it is yielded (a delta's encoded bytes,
+    not yet the tensor it makes).
+
+    Raises:
+        WeightUpdateError: bytes differ from what the producer wrote (the entries yielded
+            before were intact), or a delta's fields are malformed.
     """
     for slot in slots:
         view = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
@@ -177,16 +229,28 @@ def unpack_verified(
                 f"weight {slot['name']!r} changed after it was shared or sent (checksum "
                 "mismatch): the producer must not write to a bucket until it is loaded"
             )
-        yield slot["name"], slot_view(data, slot)
+        if "delta" in slot:
+            yield slot, TensorDelta.from_slot(view, slot["delta"], slot["shape"], slot["dtype"])
+        else:
+            yield slot, slot_view(data, slot)
 
 
 def slot_view(data: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
-    """The tensor a slot describes, viewing ``data``."""
+    """The tensor a slot describes, viewing ``data``.
+
+    Raises:
+        WeightUpdateError: the slot holds a delta, not the tensor.
+    """
+    if "delta" in slot:
+        raise WeightUpdateError(
+            f"weight {slot['name']!r} arrived as a delta, and this receiver keeps no base to "
+            "apply it to: send whole tensors (Refitter(..., deltas=False))"
+        )
     region = data[slot["offset"] : slot["offset"] + slot["nbytes"]]
     return region.view(dtype_from_name(slot["dtype"])).view(slot["shape"])
 
 
-def fill_bucket(allocation: Allocation, group: NamedTensors) -> WeightBucket:
+def fill_bucket(allocation: Allocation, group: Sequence[tuple[str, Entry]]) -> WeightBucket:
     """Copy ``group`` into ``allocation`` (from any device) and describe the bucket.
 
     Each tensor's checksum is taken right after it is written; the bucket's combines them.
@@ -229,6 +293,10 @@ def describe_bucket(allocation: Allocation, nbytes: int, slots: list[TensorSlot]
         checksum=combine_checksums(slot["checksum"] for slot in slots),
         tensors=slots,
     )
+
+
+def _device(entry: Entry) -> torch.device:
+    return entry.payload.device if isinstance(entry, TensorDelta) else entry.device
 
 
 def aligned(nbytes: int) -> int:

@@ -11,10 +11,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from gen_interface.weights.delta import TensorDelta
 from gen_interface.weights.handles import WeightBucket, WeightHandles
 from gen_interface.weights.layout import (
     Allocation,
-    NamedTensors,
+    Entry,
+    NamedEntries,
     fill_bucket,
     group_bytes,
     local_handles,
@@ -62,9 +64,9 @@ class SharedWeights:
 
 
 def named_tensors(
-    state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> NamedTensors:
-    """``(name, tensor)`` pairs of a state dict, detached, in order.
+    state_dict: Mapping[str, Entry] | Iterable[tuple[str, Entry]],
+) -> NamedEntries:
+    """``(name, tensor or delta)`` pairs of a state dict, tensors detached, in order.
 
     Raises:
         ValueError: a name repeats.
@@ -73,11 +75,15 @@ def named_tensors(
     names = [name for name, _ in items]
     if len(set(names)) != len(names):
         raise ValueError("the weights name the same tensor twice")
-    return [(name, tensor.detach()) for name, tensor in items]
+    return [(name, _detached(entry)) for name, entry in items]
+
+
+def _detached(entry: Entry) -> Entry:
+    return entry if isinstance(entry, TensorDelta) else entry.detach()
 
 
 def share_weights(
-    state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    state_dict: Mapping[str, Entry] | Iterable[tuple[str, Entry]],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     devices: Sequence[torch.device | int | str] | None = None,
@@ -91,7 +97,9 @@ def share_weights(
     checksum is taken as it is filled.
 
     Args:
-        state_dict: ``{name: tensor}`` or ``(name, tensor)`` pairs, names as in the checkpoint.
+        state_dict: ``{name: tensor}`` or ``(name, tensor)`` pairs, names as in the checkpoint;
+            a value may be a ``TensorDelta`` (``gen_interface.weights.delta``), sent as such to
+            a backend that holds its base.
         bucket_bytes: the target bucket size in bytes.
         devices: GPUs to place a full copy on, one per GPU, so that each generation worker reads
             the copy on its own GPU (CUDA IPC reaches only the same GPU): CUDA devices, indices,

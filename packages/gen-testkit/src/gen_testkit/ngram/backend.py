@@ -10,7 +10,7 @@ the same ``StepGate`` as gen-hf.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar, TypedDict, cast
 
 import torch
@@ -159,3 +159,7 @@ class NgramGeneration(InProcessBackend):
     def _write_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in tensors:
             self.model.weights[name].copy_(tensor)  # casts floating-point dtypes
+
+    def _weight_targets(self) -> Mapping[str, torch.Tensor]:
+        # written in place, and the base of deltas (the kit's CommittedWeights views them)
+        return self.model.weights

@@ -117,6 +117,9 @@ class SuiteBase:
 
     #: ``update_weights_from_ipc_handles`` and ``prepare_refit_info`` work (needs a state dict).
     claims_weight_updates: ClassVar[bool] = False
+    #: ``weight_base()`` answers: weight updates may carry deltas against the committed
+    #: weights (``gen_testkit.suite.deltas``).
+    claims_weight_deltas: ClassVar[bool] = False
     #: ``score`` works.
     claims_score: ClassVar[bool] = False
     #: Largest batch and prompt the properties draw.

@@ -61,6 +61,9 @@ class MetricsProperties(SuiteBase):
         metrics = backend.get_logger_metrics()
         assert metrics["refits_total"] == 1 and metrics["weight_version"] == version
         assert metrics["refit_bytes_total"] == nbytes
+        assert metrics["refit_sent_bytes_total"] == nbytes  # whole: every byte crossed
+        assert metrics["refit_delta_tensors_total"] == 0 and metrics["refit_delta_ratio"] == 1.0
+        assert metrics["refit_tensors_total"] in (0, len(weights))  # 0: the backend counts none
         phases = [metrics[f"refit_{p}_seconds_total"] for p in ("begin", "load", "commit")]
         assert all(p > 0 for p in phases) and sum(phases) <= metrics["refit_seconds_max"]
         backend.announce_weight_version(version + 3)
