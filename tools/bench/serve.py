@@ -3,6 +3,7 @@ side: generated tokens per second and time to first token.
 
     uv run python tools/bench/serve.py [--model bench-50m] [--requests 64] [--new 16,256] \
         [--repeats 2] [--servers vllm-serve,vllm-serve-no-chunked-prefill,gen-serve]
+    uv run python tools/bench/serve.py --requests 8,16,32,64 --plot serve.png   # curves
 
 Each server runs in a process of its own on 127.0.0.1 (a free port), one at a time, on the same
 random float32 testkit model, with one CPU engine, a 1 GiB KV cache and the same context limit.
@@ -18,7 +19,9 @@ token ids. Each server answers 4 requests first (untimed), then the workload ``-
 times; reported: the fastest run's generated tokens per wall second (usage's
 ``completion_tokens``), and time to first token p50 and p99 over that run's requests, with
 ratios to the first server (``vllm serve``). Every run is bounded: ``--requests`` requests,
-``--timeout`` seconds.
+``--timeout`` seconds. A list of ``--requests`` measures each server at each concurrency (one
+server start, the first requests of the same workload); ``--plot FILE`` draws throughput and
+time to first token against concurrency (``plots.serving``).
 """
 
 from __future__ import annotations
@@ -47,7 +50,11 @@ _NAME = "bench"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench-50m", help="testkit preset")
-    parser.add_argument("--requests", type=int, default=64, help="concurrent requests per run")
+    parser.add_argument(
+        "--requests",
+        default="64",
+        help="concurrent requests per run; a comma-separated list measures each",
+    )
     parser.add_argument("--new", default="16,256", help="smallest,largest max_tokens")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per server")
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -58,7 +65,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    parser.add_argument("--plot", metavar="FILE", help="draw the curves into this PNG")
+    args = parser.parse_args()
+    args.concurrency = [int(n) for n in args.requests.split(",")]
+    return args
 
 
 @dataclass
@@ -77,11 +87,12 @@ class Run:
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    """The largest concurrency's requests; a smaller one runs the first of them."""
     rng = random.Random(args.seed)
     low, high = (int(x) for x in args.new.split(","))
     return [
         ([rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))], rng.randint(low, high))
-        for _ in range(args.requests)
+        for _ in range(max(args.concurrency))
     ]
 
 
@@ -147,22 +158,28 @@ def server_for(name: str, model: TinyModel, args: argparse.Namespace, config: st
     return ServerProcess(command, port, env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}, name=name)
 
 
-def measure(name: str, model: TinyModel, args: argparse.Namespace, config: str) -> list[Run]:
+def measure(
+    name: str, model: TinyModel, args: argparse.Namespace, config: str
+) -> dict[int, list[Run]]:
+    """Every run of one server, by concurrency."""
     work = workload(args, model.vocab_size)
     server = server_for(name, model, args, config)
     try:
         print(f"{name}: ready after {server.wait_ready(600):.1f} s", flush=True)
         asyncio.run(run_workload(server.url, [(p, 8) for p, _ in work[:4]], args.timeout))
-        runs = []
-        for _ in range(args.repeats):
-            run = asyncio.run(run_workload(server.url, work, args.timeout))
-            runs.append(run)
-            print(
-                f"  {run.tokens} tokens in {run.seconds:.2f} s: {run.tokens_s:.1f} tokens/s, "
-                f"time to first token p50 {run.ttft_quantile(0.5):.3f} s "
-                f"p99 {run.ttft_quantile(0.99):.3f} s",
-                flush=True,
-            )
+        runs: dict[int, list[Run]] = {}
+        for concurrency in args.concurrency:
+            if len(args.concurrency) > 1:
+                print(f" {concurrency} concurrent requests", flush=True)
+            for _ in range(args.repeats):
+                run = asyncio.run(run_workload(server.url, work[:concurrency], args.timeout))
+                runs.setdefault(concurrency, []).append(run)
+                print(
+                    f"  {run.tokens} tokens in {run.seconds:.2f} s: {run.tokens_s:.1f} tokens/s, "
+                    f"time to first token p50 {run.ttft_quantile(0.5):.3f} s "
+                    f"p99 {run.ttft_quantile(0.99):.3f} s",
+                    flush=True,
+                )
         return runs
     finally:
         server.stop()
@@ -179,26 +196,43 @@ def main() -> dict[str, Run]:
         f"concurrent streaming requests, max_tokens {args.new}",
         flush=True,
     )
-    best: dict[str, Run] = {}
+    best: dict[tuple[str, int], Run] = {}
     for name in args.servers.split(","):
-        best[name] = max(measure(name, model, args, config), key=lambda r: r.tokens_s)
-    reference = next(iter(best.values()), None)
+        for concurrency, runs in measure(name, model, args, config).items():
+            best[name, concurrency] = max(runs, key=lambda r: r.tokens_s)
     print()
     print(
         "| server | tokens/s | TTFT p50 s | TTFT p99 s | tokens/s ratio | TTFT p50 ratio "
         "| TTFT p99 ratio |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name, run in best.items():
+    for (name, concurrency), run in best.items():
+        reference = next(r for (_, c), r in best.items() if c == concurrency)
         p50, p99 = run.ttft_quantile(0.5), run.ttft_quantile(0.99)
         ratios = (
             f"{run.tokens_s / reference.tokens_s:.2f} | "
             f"{p50 / reference.ttft_quantile(0.5):.2f} | {p99 / reference.ttft_quantile(0.99):.2f}"
-            if reference is not None
-            else "- | - | -"
         )
-        print(f"| {name} | {run.tokens_s:.1f} | {p50:.3f} | {p99:.3f} | {ratios} |")
-    return best
+        label = name if len(args.concurrency) == 1 else f"{name}, {concurrency} concurrent"
+        print(f"| {label} | {run.tokens_s:.1f} | {p50:.3f} | {p99:.3f} | {ratios} |")
+    if args.plot:
+        import plots
+
+        points = [
+            {
+                "server": name,
+                "concurrency": concurrency,
+                "tokens_s": run.tokens_s,
+                "ttft_p50_s": run.ttft_quantile(0.5),
+                "ttft_p99_s": run.ttft_quantile(0.99),
+            }
+            for (name, concurrency), run in best.items()
+        ]
+        title = f"{args.model}, max_tokens {args.new}, best of {args.repeats} runs"
+        print(f"wrote {plots.serving(points, args.plot, title)}")
+    return {
+        name if len(args.concurrency) == 1 else f"{name}@{c}": r for (name, c), r in best.items()
+    }
 
 
 if __name__ == "__main__":
