@@ -405,7 +405,8 @@ def main() -> list[dict[str, Any]]:
     if args.plot:
         import plots
 
-        print(f"wrote {plots.refit(rows, args.plot, f'best of {args.reps} repetitions')}")
+        reps = f"{args.reps} repetition" + ("s" if args.reps != 1 else "")
+        print(f"wrote {plots.refit(rows, args.plot, f'the fastest of {reps}')}")
     return rows
 
 

@@ -228,7 +228,8 @@ def main() -> dict[str, Run]:
             }
             for (name, concurrency), run in best.items()
         ]
-        title = f"{args.model}, max_tokens {args.new}, best of {args.repeats} runs"
+        runs = f"{args.repeats} run" + ("s" if args.repeats != 1 else "")
+        title = f"{args.model}, max_tokens {args.new}, the fastest of {runs}"
         print(f"wrote {plots.serving(points, args.plot, title)}")
     return {
         name if len(args.concurrency) == 1 else f"{name}@{c}": r for (name, c), r in best.items()
