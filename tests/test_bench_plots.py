@@ -28,7 +28,7 @@ def test_serving_curves(tmp_path: Path):
 
 def test_refit_curves(tmp_path: Path):
     rows = [
-        {"backend": b, "path": p, "seconds": gb / s, "gb_s": s, "copy_gb_s": 8.0}
+        {"model": f"m{gb}", "backend": b, "path": p, "seconds": gb / s, "gb_s": s, "copy_gb_s": 8.0}
         for b, p, s in (
             ("gen-hf", "refit", 3.0),
             ("gen-vllm x1", "refit", 2.0),

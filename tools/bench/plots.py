@@ -59,16 +59,20 @@ def refit(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") 
     """Refit seconds against model size, per backend and path, with the copy of the same bytes.
 
     Args:
-        rows: ``refit.py``'s rows: ``backend``, ``path``, ``seconds``, ``gb_s``, ``copy_gb_s``
-            (the model's bytes are ``seconds * gb_s``).
+        rows: ``refit.py``'s rows: ``model``, ``backend``, ``path``, ``seconds``, ``gb_s``,
+            ``copy_gb_s`` (a model's bytes are ``seconds * gb_s``, the same on each of its rows).
         path: the PNG to write.
     """
     figure = _figure(1, width=9.0, height=5.0)
     ax = figure.axes[0]
-    copies: dict[float, list[float]] = {}
+    size_of = {r["model"]: r["seconds"] * r["gb_s"] * GB / MB for r in rows}  # MB
+    copies: dict[str, float] = {}  # the fastest copy of each model's bytes, seconds
+    for r in rows:
+        seconds = size_of[r["model"]] * MB / GB / r["copy_gb_s"]
+        copies[r["model"]] = min(copies.get(r["model"], seconds), seconds)
     series = _by(rows, "backend", "path")
     for index, ((backend, name), points) in enumerate(series.items()):
-        sized = sorted((r["seconds"] * r["gb_s"] * GB / MB, r["seconds"]) for r in points)
+        sized = sorted((size_of[r["model"]], r["seconds"]) for r in points)
         ax.plot(
             [s for s, _ in sized],
             [t for _, t in sized],
@@ -77,20 +81,24 @@ def refit(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") 
             marker="osD^v<>"[index // 10 % 7],
             label=f"{backend}: {name}",
         )
-        for r in points:
-            size = r["seconds"] * r["gb_s"] * GB / MB
-            copies.setdefault(size, []).append(size * MB / GB / r["copy_gb_s"])
-    sizes = sorted(copies)
+    models = sorted(copies, key=lambda m: size_of[m])
+    sizes = [size_of[m] for m in models]
     ax.plot(
         sizes,
-        [min(copies[s]) for s in sizes],
+        [copies[m] for m in models],
         "k--",
         lw=2,
         label="plain copy of the same bytes (floor)",
     )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xticks(sizes, [f"{size:.0f}" if size >= 10 else f"{size:.3g}" for size in sizes])
+    ax.set_xticks(
+        sizes,
+        [
+            f"{m}\n{size:.0f}" if size >= 10 else f"{m}\n{size:.3g}"
+            for m, size in zip(models, sizes)
+        ],
+    )
     ax.xaxis.set_minor_formatter(_no_labels())
     _plain_numbers(ax.yaxis)
     ax.set_xlabel("model size, MB (float32)")
@@ -166,11 +174,16 @@ def _by(rows: Sequence[Mapping[str, Any]], *keys: str) -> dict[Any, list[Mapping
 
 
 def _plain_numbers(axis: Any) -> None:
-    """Tick labels of a log axis as plain numbers (0.2, 0.3), not powers of ten."""
+    """Tick labels of a log axis as plain numbers (0.01, 0.2), not powers of ten; between the
+    powers of ten, 2 and 5 labelled too, and nothing more, so labels never crowd."""
     from matplotlib.ticker import FuncFormatter
 
+    def minor(value: float, _: object) -> str:
+        leading = f"{value:.0e}"[0]
+        return f"{value:g}" if leading in "25" else ""
+
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 def _no_labels() -> Any:
