@@ -21,12 +21,13 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gen_testkit.parity.runner import SIGNIFICANCE, TOP_K, PairReport
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.container import BarContainer
     from matplotlib.figure import Figure
 
 __all__ = ["write_plots"]
@@ -244,7 +245,8 @@ def _log_histogram(ax: Axes, values: list[float], limit: float) -> None:
     bins = [10 ** (low + i / 4) for i in range(4 * (high - low) + 1)]
     if nonzero:
         _, edges, patches = ax.hist(nonzero, bins=bins, color="#2c7fb8")
-        for left, patch in zip(edges, patches):
+        bars = cast("BarContainer", patches)  # one data set: one bar per bin
+        for left, patch in zip(edges, bars):
             if left >= limit:  # the whole bin beyond the tolerance
                 patch.set_facecolor(_COLORS["differ"])
     ax.set_xscale("log")
