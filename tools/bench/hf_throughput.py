@@ -11,6 +11,10 @@ Usage::
     uv run python tools/bench/hf_throughput.py            # bench-50m, batch 32, 32 + 64 tokens
     uv run python tools/bench/hf_throughput.py --repeats 5 --json
     uv run python tools/bench/hf_throughput.py --threads 1   # steadier on a busy machine
+    uv run python tools/bench/hf_throughput.py --batch 1,4,16,32 --plot hf.png  # a curve
+
+A list of ``--batch`` sizes measures each in turn (the same report per size); ``--plot FILE``
+draws tokens per second of both against the batch size (``plots.batch_throughput``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench-50m", choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=32, help="rows per call")
+    parser.add_argument(
+        "--batch", default="32", help="rows per call; a comma-separated list measures each"
+    )
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
@@ -48,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="also print one JSON line")
+    parser.add_argument("--plot", metavar="FILE", help="draw tokens/s against batch size here")
     return parser.parse_args()
 
 
@@ -62,12 +69,13 @@ def timed(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[float,
     return time.perf_counter() - start, out
 
 
-def main() -> dict[str, Any]:
+def main() -> list[dict[str, Any]]:
     args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch.split(",")]
     model = build_tiny_model(args.preset)
-    hf_cfg: HfSpecificArgs = {"device": args.device, "max_batch_size": args.batch}
+    hf_cfg: HfSpecificArgs = {"device": args.device, "max_batch_size": max(batches)}
     if args.attn:
         hf_cfg["attn_implementation"] = args.attn
     backend = HfGeneration(
@@ -88,14 +96,13 @@ def main() -> dict[str, Any]:
             "hf_cfg": hf_cfg,
         }
     )
-    device = backend.device
     attn = backend.config["hf_cfg"]["attn_implementation"]
     reference = (
         AutoModelForCausalLM.from_pretrained(
             str(model.path), dtype=_DTYPES[args.dtype], attn_implementation=attn
         )
         .eval()
-        .to(device)
+        .to(backend.device)
     )
     # No eos (generate would fall back to the checkpoint's) and no minimum-length processor:
     # transformers runs exactly new_tokens steps on every row, like HfGeneration without stops.
@@ -106,10 +113,44 @@ def main() -> dict[str, Any]:
         eos_token_id=None,
         pad_token_id=model.pad_token_id,
     )
+    results = [
+        measure(args, batch, backend, reference, reference_config, model.vocab_size)
+        for batch in batches
+    ]
+    backend.shutdown()
+    if args.plot:
+        import plots
+
+        points = [
+            {"generator": name, "batch": r["batch"], "tokens_s": r[f"{key}_tok_s"]}
+            | {"median_tokens_s": r[f"{key}_median_tok_s"]}
+            for r in results
+            for name, key in (
+                ("HfGeneration.generate", "hf_generation"),
+                ("transformers generate", "transformers"),
+            )
+        ]
+        title = (
+            f"{args.preset}, {results[0]['device']}, {args.dtype}, {args.prompt_len}-token "
+            f"prompts, {args.new_tokens} new tokens, {results[0]['threads']} threads"
+        )
+        print(f"wrote {plots.batch_throughput(points, args.plot, title)}")
+    return results
+
+
+def measure(
+    args: argparse.Namespace,
+    batch_size: int,
+    backend: HfGeneration,
+    reference: Any,
+    reference_config: HfGenerationConfig,
+    vocab_size: int,
+) -> dict[str, Any]:
+    """Both generators on ``batch_size`` rows, alternating; prints and returns the result."""
+    device = backend.device
+    attn = backend.config["hf_cfg"]["attn_implementation"]
     generator = torch.Generator().manual_seed(args.seed)
-    input_ids = torch.randint(
-        3, model.vocab_size, (args.batch, args.prompt_len), generator=generator
-    )
+    input_ids = torch.randint(3, vocab_size, (batch_size, args.prompt_len), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     batch: BatchedDataDict[Any] = BatchedDataDict(
         input_ids=input_ids, attention_mask=attention_mask
@@ -136,8 +177,8 @@ def main() -> dict[str, Any]:
         our_times.append(seconds)
         seconds, their_tokens = timed(theirs, device)
         their_times.append(seconds)
-    tokens = args.batch * args.new_tokens
-    assert our_tokens.shape == their_tokens.shape == (args.batch, args.new_tokens), (
+    tokens = batch_size * args.new_tokens
+    assert our_tokens.shape == their_tokens.shape == (batch_size, args.new_tokens), (
         f"token counts differ: {tuple(our_tokens.shape)} vs {tuple(their_tokens.shape)}"
     )
     result = {
@@ -146,7 +187,7 @@ def main() -> dict[str, Any]:
         "device": str(device),
         "dtype": args.dtype,
         "attn_implementation": attn,
-        "batch": args.batch,
+        "batch": batch_size,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "threads": torch.get_num_threads(),
@@ -164,7 +205,7 @@ def main() -> dict[str, Any]:
     )
     print(
         f"{args.preset} ({result['parameters'] / 1e6:.1f}M parameters), {device}, {args.dtype}, "
-        f"{attn}, {torch.get_num_threads()} threads: batch {args.batch}, "
+        f"{attn}, {torch.get_num_threads()} threads: batch {batch_size}, "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.repeats} runs each"
     )
     print("                          tokens/s (fastest)  tokens/s (median)  runs (s)")
@@ -180,7 +221,6 @@ def main() -> dict[str, Any]:
     print(f"  same greedy tokens: {result['same_tokens']} (target ratio >= 0.9)")
     if args.json:
         print(json.dumps(result))
-    backend.shutdown()
     return result
 
 

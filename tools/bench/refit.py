@@ -81,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="also time adapter-only refits of this rank"
     )
+    parser.add_argument(
+        "--plot", metavar="FILE", help="draw seconds against model size per path (plots.refit)"
+    )
     return parser.parse_args()
 
 
@@ -399,6 +402,11 @@ def main() -> list[dict[str, Any]]:
             f"{r['gb_s']:.2f} | {r['ratio']:.2f} (copy {r['copy_gb_s']:.2f} GB/s) | {to_floor} | "
             f"{r['trainer_extra_mib']:.0f} | {r['worker_extra_mib']:.0f} |"
         )
+    if args.plot:
+        import plots
+
+        reps = f"{args.reps} repetition" + ("s" if args.reps != 1 else "")
+        print(f"wrote {plots.refit(rows, args.plot, f'the fastest of {reps}')}")
     return rows
 
 

@@ -3,6 +3,7 @@ interleaved pairs: generated tokens per second and time to first token.
 
     uv run python tools/bench/serve.py [--model bench-step] [--requests 64] [--new 16,128] \
         [--prompt 8,96] [--pairs 5] [--servers vllm-serve,gen-serve]
+    uv run python tools/bench/serve.py --requests 8,16,32,64 --plot serve.png   # curves
 
 Every server runs in a process of its own on 127.0.0.1 (a free port), all of them at once, on the
 same random float32 testkit model, with one CPU engine, a 1 GiB KV cache and the same context
@@ -22,7 +23,9 @@ varies by up to 1.7x between runs here: interleaving lets the machine's drift fa
 server alike). Reported per server: the median over rounds of generated tokens per wall second
 (usage's ``completion_tokens``) and of the rounds' time to first token p50 and p99; and per round
 the ratios to the first server, with their median and spread. Every run is bounded:
-``--requests`` requests, ``--timeout`` seconds.
+``--requests`` requests, ``--timeout`` seconds. A list of ``--requests`` measures every server at
+each concurrency (the first requests of the same workload; one server start); ``--plot FILE``
+draws the medians' throughput and time to first token against concurrency (``plots.serving``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ _NAME = "bench"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench-step", help="testkit preset")
-    parser.add_argument("--requests", type=int, default=64, help="concurrent requests per run")
+    parser.add_argument(
+        "--requests",
+        default="64",
+        help="concurrent requests per run; a comma-separated list measures each",
+    )
     parser.add_argument("--new", default="16,128", help="smallest,largest max_tokens")
     parser.add_argument("--prompt", default="8,96", help="shortest,longest prompt")
     parser.add_argument("--pairs", type=int, default=5, help="interleaved rounds")
@@ -65,7 +72,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run at most")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    parser.add_argument("--plot", metavar="FILE", help="draw the curves into this PNG")
+    args = parser.parse_args()
+    args.concurrency = [int(n) for n in args.requests.split(",")]
+    return args
 
 
 @dataclass
@@ -87,6 +97,7 @@ Work = list[tuple[list[int], int, int]]  # per request: prompt, max_tokens, seed
 
 
 def workload(args: argparse.Namespace, vocab: int) -> Work:
+    """The largest concurrency's requests; a smaller one runs the first of them."""
     rng = random.Random(args.seed)
     low, high = (int(x) for x in args.new.split(","))
     shortest, longest = (int(x) for x in args.prompt.split(","))
@@ -96,7 +107,7 @@ def workload(args: argparse.Namespace, vocab: int) -> Work:
             rng.randint(low, high),
             1000 + i,
         )
-        for i in range(args.requests)
+        for i in range(max(args.concurrency))
     ]
 
 
@@ -168,10 +179,12 @@ def server_for(name: str, model: TinyModel, args: argparse.Namespace, config: st
     return ServerProcess(command, port, env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}, name=name)
 
 
-def measure(
-    names: list[str], model: TinyModel, args: argparse.Namespace, config: str
-) -> dict[str, list[Run]]:
-    """Start every server, warm each, then run the workload on each in turn, ``--pairs`` times."""
+Runs = dict[tuple[str, int], list[Run]]  # per (server, concurrency): one run per round
+
+
+def measure(names: list[str], model: TinyModel, args: argparse.Namespace, config: str) -> Runs:
+    """Start every server, warm each, then at each concurrency run the workload on each server
+    in turn, ``--pairs`` times."""
     work = workload(args, model.vocab_size)
     servers: dict[str, ServerProcess] = {}
     try:
@@ -180,24 +193,27 @@ def measure(
             print(f"{name}: ready after {servers[name].wait_ready(600):.1f} s", flush=True)
             warm = [(p, 8, seed) for p, _, seed in work[:4]]
             asyncio.run(run_workload(servers[name].url, warm, args.timeout))
-        runs: dict[str, list[Run]] = {name: [] for name in names}
-        for round_ in range(args.pairs):
-            for name, server in servers.items():
-                run = asyncio.run(run_workload(server.url, work, args.timeout))
-                runs[name].append(run)
-                print(
-                    f"  round {round_ + 1} {name}: {run.tokens} tokens in {run.seconds:.2f} s: "
-                    f"{run.tokens_s:.1f} tokens/s, time to first token p50 "
-                    f"{run.ttft_quantile(0.5):.3f} s p99 {run.ttft_quantile(0.99):.3f} s",
-                    flush=True,
-                )
+        runs: Runs = {}
+        for concurrency in args.concurrency:
+            for round_ in range(args.pairs):
+                for name, server in servers.items():
+                    requests = work[:concurrency]
+                    run = asyncio.run(run_workload(server.url, requests, args.timeout))
+                    runs.setdefault((name, concurrency), []).append(run)
+                    print(
+                        f"  {concurrency} concurrent, round {round_ + 1} {name}: {run.tokens} "
+                        f"tokens in {run.seconds:.2f} s: {run.tokens_s:.1f} tokens/s, time to "
+                        f"first token p50 {run.ttft_quantile(0.5):.3f} s "
+                        f"p99 {run.ttft_quantile(0.99):.3f} s",
+                        flush=True,
+                    )
         return runs
     finally:
         for server in servers.values():
             server.stop()
 
 
-def main() -> dict[str, list[Run]]:
+def main() -> Runs:
     args = parse_args()
     model = build_tiny_model(args.model)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -211,24 +227,39 @@ def main() -> dict[str, list[Run]]:
     )
     names = args.servers.split(",")
     runs = measure(names, model, args, config)
-    reference = runs[names[0]]
     print()
     print(
         "| server | tokens/s (median) | TTFT p50 s | TTFT p99 s | tokens/s ratio (spread) "
         "| TTFT p50 ratio (spread) |"
     )
     print("|---|---|---|---|---|---|")
-    for name in names:
-        mine = runs[name]
-        tps = [r.tokens_s / ref.tokens_s for r, ref in zip(mine, reference)]
-        p50 = [r.ttft_quantile(0.5) / ref.ttft_quantile(0.5) for r, ref in zip(mine, reference)]
-        print(
-            f"| {name} | {statistics.median(r.tokens_s for r in mine):.0f} "
-            f"| {statistics.median(r.ttft_quantile(0.5) for r in mine):.3f} "
-            f"| {statistics.median(r.ttft_quantile(0.99) for r in mine):.3f} "
-            f"| {statistics.median(tps):.2f} ({min(tps):.2f}-{max(tps):.2f}) "
-            f"| {statistics.median(p50):.2f} ({min(p50):.2f}-{max(p50):.2f}) |"
-        )
+    points = []
+    for concurrency in args.concurrency:
+        reference = runs[names[0], concurrency]
+        for name in names:
+            mine = runs[name, concurrency]
+            tps = [r.tokens_s / ref.tokens_s for r, ref in zip(mine, reference)]
+            p50 = [r.ttft_quantile(0.5) / ref.ttft_quantile(0.5) for r, ref in zip(mine, reference)]
+            point = {
+                "server": name,
+                "concurrency": concurrency,
+                "tokens_s": statistics.median(r.tokens_s for r in mine),
+                "ttft_p50_s": statistics.median(r.ttft_quantile(0.5) for r in mine),
+                "ttft_p99_s": statistics.median(r.ttft_quantile(0.99) for r in mine),
+            }
+            points.append(point)
+            label = name if len(args.concurrency) == 1 else f"{name}, {concurrency} concurrent"
+            print(
+                f"| {label} | {point['tokens_s']:.0f} | {point['ttft_p50_s']:.3f} "
+                f"| {point['ttft_p99_s']:.3f} "
+                f"| {statistics.median(tps):.2f} ({min(tps):.2f}-{max(tps):.2f}) "
+                f"| {statistics.median(p50):.2f} ({min(p50):.2f}-{max(p50):.2f}) |"
+            )
+    if args.plot:
+        import plots
+
+        title = f"{args.model}, max_tokens {args.new}, the median of {args.pairs} rounds"
+        print(f"wrote {plots.serving(points, args.plot, title)}")
     return runs
 
 

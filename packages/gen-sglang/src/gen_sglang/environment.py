@@ -90,10 +90,11 @@ def managed_python(progress: Progress = print) -> Path:
         progress(f"gen-sglang: making SGLang {SGLANG_VERSION}'s environment in {env} (once)")
         shutil.rmtree(env, ignore_errors=True)
         version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        _uv("venv", "--quiet", "--python", version, str(env))
-        pinned = ("--python", str(python), "--exclude-newer", EXCLUDE_NEWER)
-        _uv("pip", "install", "--quiet", *pinned, *_DEPENDENCIES)
-        _uv("pip", "install", "--quiet", "--no-deps", *pinned, f"sglang=={SGLANG_VERSION}")
+        with _spinner(f"making SGLang {SGLANG_VERSION}'s environment"):
+            _uv("venv", "--quiet", "--python", version, str(env))
+            pinned = ("--python", str(python), "--exclude-newer", EXCLUDE_NEWER)
+            _uv("pip", "install", "--quiet", *pinned, *_DEPENDENCIES)
+            _uv("pip", "install", "--quiet", "--no-deps", *pinned, f"sglang=={SGLANG_VERSION}")
         (env / _COMPLETE).write_text(f"{time.monotonic() - started:.0f} s\n")
         progress(f"gen-sglang: environment ready in {time.monotonic() - started:.0f} s")
     return python
@@ -135,6 +136,26 @@ def _uv(*args: str) -> None:
             f"{done.returncode}: {(done.stderr or done.stdout)[-2000:]}\nInstall uv "
             "(`pip install uv`), or set sglang_cfg.python to an environment with sglang"
         )
+
+
+@contextlib.contextmanager
+def _spinner(message: str) -> Iterator[None]:
+    """A spinner with the elapsed time on standard error while the block runs, when standard
+    error is a terminal; nothing otherwise."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn(message),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ):
+        yield
 
 
 @contextlib.contextmanager

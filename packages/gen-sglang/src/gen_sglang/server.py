@@ -4,7 +4,8 @@ The server runs in a session of its own, so stopping it stops its scheduler and 
 processes too; a finaliser stops it if its owner forgets (or exits), and the server ends itself
 when its owner dies without a word (``server_side/gen_sglang_launch.py`` watches its parent),
 so no server outlives the backend that started it. Its output goes to a log file whose tail
-every start-up error quotes.
+every start-up error quotes; when it stops, that log is appended to the run's log file, or with
+``GEN_VERBOSE=1`` its lines reach standard error as they come (``logs.py``).
 
 SGLang leaves files behind however it stops (its ZMQ sockets in the temp directory, a
 ``sglang_loads_*`` slot file in ``/dev/shm`` per server). So each server gets a directory of
@@ -34,6 +35,7 @@ from gen_interface import BackendUnavailableError
 from gen_interface.weights.shm import owner_tag, segment_dir, sweep_orphans
 
 from gen_sglang.checkpoint import STAGED_PREFIX
+from gen_sglang.logs import Echo, keep_log, verbose
 from gen_sglang.server_side.gen_sglang_launch import session_processes, shared_memory_files
 
 __all__ = ["SglangServer", "free_port", "session_processes", "shared_memory_files"]
@@ -95,7 +97,10 @@ class SglangServer:
                 "to an environment with sglang, or leave it out for the managed one"
             ) from exc
         os.close(handle)
-        self._finalizer = weakref.finalize(self, _stop, self.process, self.log_path, self.tmp_dir)
+        echo = Echo(name, self.log_path) if verbose() else None
+        self._finalizer = weakref.finalize(
+            self, _stop, self.process, self.log_path, self.tmp_dir, name, echo
+        )
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the server answers ``/health_generate`` (it has generated a token).
@@ -141,8 +146,15 @@ class SglangServer:
         self._finalizer()
 
 
-def _stop(process: subprocess.Popen[bytes], log_path: Path, tmp_dir: Path) -> None:
-    """SIGKILL the server's session, wait (5 s at most) until it is gone, remove its files."""
+def _stop(
+    process: subprocess.Popen[bytes],
+    log_path: Path,
+    tmp_dir: Path,
+    name: str = "server",
+    echo: Echo | None = None,
+) -> None:
+    """SIGKILL the server's session, wait (5 s at most) until it is gone, keep its log in the
+    run's (or finish echoing it), remove its files."""
     slots = shared_memory_files(process.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
@@ -153,6 +165,10 @@ def _stop(process: subprocess.Popen[bytes], log_path: Path, tmp_dir: Path) -> No
     process.poll()
     for slot in slots:
         slot.unlink(missing_ok=True)
+    if echo is not None:
+        echo.stop()
+    else:
+        keep_log(name, log_path)
     _remove_files(log_path, tmp_dir)
 
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from gen_interface import BackendUnavailableError
 
+from gen_vllm.logs import quiet_ray_driver
+
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
@@ -95,12 +97,14 @@ class RayVirtualCluster:
         self._uses_own_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
+            # Ray's own messages to the log file unless GEN_VERBOSE (logs.py)
+            level = quiet_ray_driver()
             try:
                 if address:
-                    ray.init(address=address, log_to_driver=True)
+                    ray.init(address=address, log_to_driver=True, logging_level=level)
                 else:
                     with _on_loopback():
-                        ray.init(include_dashboard=False, log_to_driver=True)
+                        ray.init(include_dashboard=False, log_to_driver=True, logging_level=level)
                     RayVirtualCluster._own_ray = True
             except Exception as exc:  # Ray raises many types; all mean "no cluster"
                 raise BackendUnavailableError(f"could not start or join Ray: {exc}") from exc

@@ -19,6 +19,7 @@ from gen_interface.weights.collective import CollectiveEndpoint
 
 from gen_vllm.cluster import Bundle, RayVirtualCluster
 from gen_vllm.engine import EngineFactory
+from gen_vllm.logs import log_file, verbose, worker_env
 from gen_vllm.messages import RowRequest, UpdateReport, WorkerInfo
 from gen_vllm.receive import LoadInfo
 from gen_vllm.worker import VllmGenerationWorker
@@ -340,7 +341,8 @@ def translate_ray_error(exc: BaseException, what: str) -> GenerationError:
         return GenerationError(f"a vLLM worker failed during {what}: {cause or exc}")
     if isinstance(exc, ray.exceptions.RayActorError):
         return WorkerLostError(
-            f"a vLLM worker died during {what} (its process exited or was killed): {_summary(exc)}"
+            f"a vLLM worker died during {what} (its process exited or was killed): "
+            f"{_summary(exc)}{_where_logged()}"
         )
     if isinstance(exc, GenerationError):
         return exc
@@ -361,7 +363,7 @@ def _start_actor(
 ) -> Any:
     """Create one worker actor in the first bundle of ``group`` (its engine's bundles)."""
     bundle = group[0]
-    env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**env, **worker_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if cluster.use_gpus and len(group) > 1:
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b.bundle_index) for b in group)
     try:
@@ -393,6 +395,11 @@ def _start_actor(
 
 #: Requests one worker serves at once: rows queue in its engine, which batches them.
 _MAX_ROWS_IN_FLIGHT = 4096
+
+
+def _where_logged() -> str:
+    """Where the workers' own output is, for an error about one that died."""
+    return "" if verbose() else f"; the engines' output is in {log_file()}"
 
 
 def _summary(exc: BaseException) -> str:

@@ -30,6 +30,7 @@ from gen_vllm.adapter import ADAPTER_ID, ADAPTER_NAME
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
 from gen_vllm.load_order import LoadOrder
+from gen_vllm.logs import redirect_worker_output
 from gen_vllm.messages import (
     RowRequest,
     ScoredTokens,
@@ -74,6 +75,7 @@ class VllmGenerationWorker:
     ):
         os.environ.update(env or {})
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        redirect_worker_output()  # vLLM's output to the log file unless GEN_VERBOSE
         _allow_amx()
         _undo_worker_niceness()
         cpu_ids = _cores_for(cpu_slot) if cpu_slot else None

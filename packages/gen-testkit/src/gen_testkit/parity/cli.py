@@ -3,10 +3,16 @@
     uv run gen-parity                       # a tiny random model, every installed backend
     uv run gen-parity --model DIR --backends hf,vllm --dtype bfloat16 --json parity.json
     uv run gen-parity --batch-invariant     # backends that offer it run batch-invariant
+    uv run gen-parity --plot parity-plots   # pictures of every pair, and an HTML page
+    uv run gen-parity --verbose             # the engines' and Ray's own logs here too
 
 The "exact" column is each backend's share of greedy logprobs equal, bit for bit, to the
 trainer-side exact forward (``gen_hf.exact.sequence_logprobs``); ``*`` marks a backend
 running with ``batch_invariant: true``, which fails unless its share is 1.
+
+What it prints is its own progress and the table. vLLM's, Ray's and SGLang's output, and
+libraries' deprecation warnings, go to a log file whose path it prints first
+(``GEN_LOG_FILE`` names another); ``--verbose`` or ``GEN_VERBOSE=1`` shows them instead.
 
 Exits 0 when every pair passes its tolerances, 1 when one does not, 2 on a usage error.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 from gen_interface import (
@@ -28,6 +34,8 @@ from gen_interface import (
     create_generation_backend,
 )
 
+from gen_testkit.console import Console
+from gen_testkit.engine_logs import LOG_FILE_ENV, VERBOSE_ENV, route_engine_logs, verbose_requested
 from gen_testkit.models import PRESETS, build_tiny_model
 from gen_testkit.parity.oracle import HfLogitsOracle
 from gen_testkit.parity.report import format_table
@@ -54,6 +62,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--samples", type=int, default=600, help="samples per sampling prefix")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON here")
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write pictures of every pair (PNG) and index.html holding them into DIR "
+        "(default with --json FILE: FILE's name without .json, plus -plots)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show the engines' and Ray's own logs here ({VERBOSE_ENV}=1 does too) instead of "
+        f"in the log file (printed first; {LOG_FILE_ENV} names another)",
+    )
     parser.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -83,10 +103,8 @@ def _start(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    started = time.perf_counter()
-
-    def progress(message: str) -> None:
-        print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
+    console = Console()
+    progress = console.line
 
     installed = [name for name in MODEL_BACKENDS if name in available_backends()]
     names = args.backends.split(",") if args.backends else installed
@@ -97,10 +115,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    plots = _plot_directory(args)
+    if plots is not None and not _can_plot():
+        print(
+            "gen-parity: --plot needs matplotlib: install gen-testkit[plots] (`uv sync` in this "
+            "workspace does)",
+            file=sys.stderr,
+        )
+        return 2
+    log_file = route_engine_logs(args.verbose or verbose_requested(), "gen-parity")
+    if log_file is not None:
+        progress(f"engine and Ray logs: {log_file} (--verbose shows them here)")
     if args.model is None or args.model in PRESETS:
         preset = args.model or "tiny-qwen2"
-        progress(f"building (or reusing) the {preset} model")
-        args.model = str(build_tiny_model(preset).path)
+        with console.step(f"building (or reusing) the {preset} model"):
+            args.model = str(build_tiny_model(preset).path)
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -113,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     reports: list[PairReport] = []
     try:
         for name in names:
-            progress(f"starting backend {name} ({args.dtype})")
             settings = {
                 "backend": name,
                 "model_name": args.model,
@@ -122,58 +150,87 @@ def main(argv: list[str] | None = None) -> int:
                 **routing,
                 "lm_head_fp32": args.lm_head_fp32,
             }
-            backend = _start(name, settings, tokenizer, args.batch_invariant, progress)
-            backend.clear_logger_metrics()  # tok/s: the run's own, from the backend's metrics
+            with console.step(f"starting backend {name} ({args.dtype})"):
+                backend = _start(name, settings, tokenizer, args.batch_invariant, progress)
+            backend.clear_logger_metrics()
             backends.append(TimedBackend(name, backend))
-        progress(f"loading the exact logits (a transformers forward pass, {args.dtype})")
-        oracle = HfLogitsOracle(args.model, args.dtype)
-        float32 = None if args.dtype == "float32" else HfLogitsOracle(args.model, "float32")
+        with console.step(f"loading the exact logits (a transformers forward pass, {args.dtype})"):
+            oracle = HfLogitsOracle(args.model, args.dtype)
+            float32 = None if args.dtype == "float32" else HfLogitsOracle(args.model, "float32")
         batches = parity_batches(vocab_size)
         plan = sampling_plan(vocab_size, args.samples)
         reference = backends[0]
         # A single backend is compared with itself: still checks it against the exact logits.
         others = backends[1:] or [TimedBackend(f"{reference.name}'", reference.backend)]
+        steps = len(batches) + len(plan.prefixes)
         for candidate in others:
             progress(f"comparing {candidate.name} with {reference.name}")
-            reports.append(
-                run_pair(
-                    reference,
-                    candidate,
-                    oracle=oracle,
-                    batches=batches,
-                    plan=plan,
-                    tolerance=tolerance_for(args.dtype, across_backends=True),
-                    dtype=args.dtype,
-                    progress=progress,
-                    float32=float32,
+            with console.bar(f"{candidate.name} vs {reference.name}", steps) as advance:
+                reports.append(
+                    run_pair(
+                        reference,
+                        candidate,
+                        oracle=oracle,
+                        batches=batches,
+                        plan=plan,
+                        tolerance=tolerance_for(args.dtype, across_backends=True),
+                        dtype=args.dtype,
+                        progress=progress,
+                        float32=float32,
+                        advance=advance,
+                    )
                 )
-            )
     finally:
         for timed in backends:
             timed.backend.shutdown()
 
-    print()
-    print(format_table(reports))
-    print(
+    console.print()
+    console.print(format_table(reports))
+    console.print(
         f"\nsampling: chi-square goodness of fit, significance {SIGNIFICANCE:g}; "
         f"tolerances ({args.dtype}): {vars(reports[0].tolerance)}"
     )
     for report in reports:
         for failure in report.failures:
-            print(f"FAIL {report.reference} vs {report.candidate}: {failure}")
+            console.print(f"FAIL {report.reference} vs {report.candidate}: {failure}")
     if args.json:
         payload: dict[str, Any] = {
             "model": args.model,
             "dtype": args.dtype,
             "settings": PARITY_SETTINGS,
-            "seconds": time.perf_counter() - started,
+            "seconds": console.elapsed,
             "pairs": [r.as_dict() for r in reports],
         }
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=2)
         progress(f"wrote {args.json}")
+    if plots is not None:
+        from gen_testkit.parity.plots import write_plots
+
+        with console.step(f"drawing the pictures into {plots}"):
+            page = write_plots(reports, plots)
+        progress(f"wrote {page}")
     progress("done")
     return 0 if all(r.ok for r in reports) else 1
+
+
+def _plot_directory(args: argparse.Namespace) -> Path | None:
+    """``--plot``, or beside ``--json FILE`` (``FILE`` without ``.json``, plus ``-plots``) when
+    matplotlib is installed."""
+    if args.plot:
+        return Path(args.plot)
+    if args.json and _can_plot():
+        path = Path(args.json)
+        return path.with_name(f"{path.stem}-plots")
+    return None
+
+
+def _can_plot() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _is_moe(model_config: Any) -> bool:

@@ -138,6 +138,9 @@ class TopKAgreement:
     chosen_checked: int = 0
     chosen_off: int = 0
     details: list[str] = field(default_factory=list)
+    #: each compared position's generated index (0: first after the prompt) and verdict:
+    #: "same", "edge tie" or "differ"
+    statuses: list[tuple[int, str]] = field(default_factory=list)
 
     def add(self, other: TopKAgreement) -> None:
         self.positions += other.positions
@@ -148,6 +151,7 @@ class TopKAgreement:
         self.chosen_checked += other.chosen_checked
         self.chosen_off += other.chosen_off
         self.details += other.details
+        self.statuses += other.statuses
 
 
 @dataclass
@@ -202,14 +206,18 @@ def top_k_agreement(
         )
         only_a = [t for t in top_a if t not in top_b]
         only_b = [t for t in top_b if t not in top_a]
+        position = j - prompt_lengths[i]
         if not only_a:
             result.same += 1
+            result.statuses.append((position, "same"))
         elif all(a[t] <= edge_b + near_tie for t in only_a) and all(
             b[t] <= edge_a + near_tie for t in only_b
         ):
             result.boundary_ties += 1
+            result.statuses.append((position, "edge tie"))
         else:
             result.mismatches += 1
+            result.statuses.append((position, "differ"))
             result.details.append(
                 f"row {i} position {j}: top-{k} differ by {only_a} vs {only_b} beyond the "
                 f"k-th place's near-tie margin {near_tie:g}"

@@ -20,7 +20,6 @@ _COLUMNS = (
     "exact (ref, cand)",
     "routed experts same / near-tie / differ (ref; cand)",
     "vs float32 mean e^|d| (ref, cand)",
-    "tok/s (ref, cand)",
     "result",
 )
 
@@ -48,7 +47,6 @@ def format_table(reports: Sequence[PairReport]) -> str:
             ", ".join(
                 f"{r.vs_float32[n].mean_exp_abs:.5f}" if n in r.vs_float32 else "n/a" for n in names
             ),
-            ", ".join(f"{r.tokens_per_s.get(n, 0):.0f}" for n in names),
             "PASS" if r.ok else "FAIL",
         ]
         lines.append("| " + " | ".join(cells) + " |")

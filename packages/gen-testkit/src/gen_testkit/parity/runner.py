@@ -27,6 +27,7 @@ from gen_testkit.parity.metrics import (
     top_k_agreement,
 )
 from gen_testkit.parity.oracle import LogitsOracle, processed_distribution
+from gen_testkit.parity.trace import PairTrace, SamplingTrace, generated_differences
 from gen_testkit.parity.workload import ParityBatch, SamplingPlan
 from gen_testkit.properties import check_layout, check_prompt_kept
 from gen_testkit.routing import RoutingComparison, compare_routing, reference_routing
@@ -54,11 +55,14 @@ Progress = Callable[[str], None]
 
 @dataclass
 class TimedBackend:
-    """A backend under comparison, named, with its generation throughput.
+    """A backend under comparison, named, with the time its ``generate`` calls took.
 
-    The throughput is the backend's own ``tokens_per_second`` metric (tokens returned over the
-    time rows ran, counted by the base) where it reports one; otherwise this wrapper times its
-    ``generate`` calls.
+    ``tokens_per_s`` is the backend's own ``tokens_per_second`` metric (tokens returned over the
+    time rows ran, counted by the base) where it reports one, else tokens over the timed calls.
+    On a parity run's small calls it measures per-call overhead, not throughput: a backend in
+    another process pays a round trip per call that one in this process does not, so the
+    numbers of two backends are not comparable (``tools/bench`` compares throughput), and
+    ``gen-parity`` does not show them.
     """
 
     name: str
@@ -96,6 +100,8 @@ class PairReport:
     processed: dict[str, LogprobError] = field(default_factory=dict)
     processed_outside_support: dict[str, int] = field(default_factory=dict)
     sampling: dict[str, list[SamplingFit]] = field(default_factory=dict)
+    #: per backend, ``TimedBackend.tokens_per_s``: per-call overhead, not comparable across
+    #: backends (kept in the JSON, not shown in the table)
     tokens_per_s: dict[str, float] = field(default_factory=dict)
     #: per backend: its greedy logprobs against the trainer-side exact forward (empty when the
     #: oracle has no transformers model)
@@ -109,6 +115,8 @@ class PairReport:
     #: logprobs against the float32 model's on the same tokens (what ``lm_head_fp32`` narrows)
     vs_float32: dict[str, LogprobError] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    #: the per-position values behind the numbers above, for pictures (not in ``as_dict``)
+    trace: PairTrace = field(default_factory=PairTrace)
 
     @property
     def ok(self) -> bool:
@@ -234,9 +242,11 @@ def processed_error(
     prompt_lengths: Sequence[int],
     oracle: LogitsOracle,
     config: Mapping[str, Any],
+    trace: list[tuple[int, float]] | None = None,
 ) -> tuple[LogprobError, int]:
     """How far a sampled output's reported (processed) logprobs are from the exact processed
-    distribution, and how many of its tokens that distribution excludes."""
+    distribution, and how many of its tokens that distribution excludes; with ``trace``, each
+    compared token's ``(generated position, reported - exact)`` is appended to it."""
     temperature, top_k, top_p = sampling_settings_of(config)  # type: ignore[arg-type]
     error, outside = LogprobError(), 0
     for i, start in enumerate(prompt_lengths):
@@ -252,6 +262,9 @@ def processed_error(
         inside = torch.isfinite(expected)
         outside += int((~inside).sum())
         error.add_values(reported[inside], expected[inside])
+        if trace is not None:
+            diff = reported.double() - expected.double()
+            trace.extend((j, float(diff[j])) for j in range(len(diff)) if bool(inside[j]))
     return error, outside
 
 
@@ -266,10 +279,15 @@ def run_pair(
     dtype: str,
     progress: Progress = lambda message: None,
     float32: LogitsOracle | None = None,
+    advance: Callable[[], None] = lambda: None,
 ) -> PairReport:
     """Compare ``candidate`` with ``reference``: greedy agreement, teacher-forced logprobs on
     each other's outputs, processed logprobs and sampled first tokens against ``oracle``; with
-    ``float32`` (the model in float32), each backend's greedy logprobs against it."""
+    ``float32`` (the model in float32), each backend's greedy logprobs against it.
+
+    ``progress`` gets a line as each batch and sampling prefix starts; ``advance`` is called as
+    each ends (``len(batches) + len(plan.prefixes)`` times: a progress bar's steps).
+    """
     report = PairReport(reference.name, candidate.name, dtype, tolerance)
     report.batch_invariant = {
         b.name for b in (reference, candidate) if b.backend.config.get("batch_invariant")
@@ -277,8 +295,9 @@ def run_pair(
     for index, batch in enumerate(batches, 1):
         progress(f"batch {index}/{len(batches)}: {len(batch.prompts)} rows")
         compare_batch(report, reference, candidate, batch, oracle, float32)
+        advance()
     if plan is not None:
-        compare_sampling(report, reference, candidate, plan, oracle, progress)
+        compare_sampling(report, reference, candidate, plan, oracle, progress, advance)
     report.tokens_per_s = {b.name: b.tokens_per_s for b in (reference, candidate)}
     report.judge()
     return report
@@ -332,7 +351,7 @@ def compare_batch(
     )
     for output in (*greedy, *sampled):
         scores = [score_outputs(b.backend, output, batch.prompt_lengths) for b in pair]
-        report.teacher_forced.add(logprob_error(scores[0], scores[1], output, batch.prompt_lengths))
+        _add_teacher_forced(report, scores[0], scores[1], output, batch.prompt_lengths)
         report.top_k.add(chosen_matches_top_k(output, batch.prompt_lengths))
     for output in greedy:
         first, second = (
@@ -347,7 +366,11 @@ def compare_batch(
     for timed, output in zip(pair, sampled):
         if timed.backend.config.get("logprobs_mode") == "processed":
             error, outside = processed_error(
-                output, batch.prompt_lengths, oracle, timed.backend.config
+                output,
+                batch.prompt_lengths,
+                oracle,
+                timed.backend.config,
+                report.trace.processed.setdefault(timed.name, []),
             )
             report.processed[timed.name].add(error)
             report.processed_outside_support[timed.name] += outside
@@ -356,9 +379,7 @@ def compare_batch(
     for mine, other in raw_outputs:
         # a backend's own reported raw logprobs against the other's teacher forcing
         theirs = score_outputs(other.backend, mine, batch.prompt_lengths)
-        report.teacher_forced.add(
-            logprob_error(mine["logprobs"], theirs, mine, batch.prompt_lengths)
-        )
+        _add_teacher_forced(report, mine["logprobs"], theirs, mine, batch.prompt_lengths)
     if float32 is not None:
         for timed, output in zip(pair, greedy):
             report.vs_float32.setdefault(timed.name, LogprobError()).add(
@@ -372,6 +393,18 @@ def compare_batch(
                     timed.name, RoutingComparison()
                 ) + routing_against_model(output, model, report.tolerance.router_near_tie)
     report.rows += len(batch.prompts)
+
+
+def _add_teacher_forced(
+    report: PairReport,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    output: Mapping[str, Any],
+    prompt_lengths: Sequence[int],
+) -> None:
+    """Two ``[B, L]`` raw logprob tensors of ``output``'s rows, into the summary and the trace."""
+    report.teacher_forced.add(logprob_error(first, second, output, prompt_lengths))
+    report.trace.teacher_forced += generated_differences(first, second, output, prompt_lengths)
 
 
 def against_oracle(
@@ -410,8 +443,10 @@ def compare_sampling(
     plan: SamplingPlan,
     oracle: LogitsOracle,
     progress: Progress = lambda message: None,
+    advance: Callable[[], None] = lambda: None,
 ) -> None:
-    """Test many sampled first tokens of each backend against the exact distribution."""
+    """Test many sampled first tokens of each backend against the exact distribution;
+    ``advance`` is called after each prefix."""
     temperature, top_k, top_p = sampling_settings_of(reference.backend.config)
     for k, prefix in enumerate(plan.prefixes, 1):
         progress(
@@ -420,12 +455,16 @@ def compare_sampling(
         probs = processed_distribution(
             oracle.next_token_logits([prefix]), temperature, top_k, top_p
         )[0]
+        trace = SamplingTrace(expected=probs.tolist())
         for timed in (reference, candidate):
             output = timed.generate(plan.batch(prefix), greedy=False)
             first = output["output_ids"][:, len(prefix)].tolist()
-            report.sampling.setdefault(timed.name, []).append(
-                chi_square_fit(first, probs, support_slack=report.tolerance.support_slack)
-            )
+            fit = chi_square_fit(first, probs, support_slack=report.tolerance.support_slack)
+            report.sampling.setdefault(timed.name, []).append(fit)
+            trace.tokens[timed.name] = first
+            trace.p_values[timed.name] = fit.p_value
+        report.trace.sampling.append(trace)
+        advance()
 
 
 def _layout_problems(

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+from gen_interface import BatchedDataDict
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,6 +15,29 @@ from gen_testkit.strategies import PADDINGS, pad_prompts, prompts
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase, property_settings
 
 __all__ = ["DeterminismProperties"]
+
+#: Identical samples as unlikely as this, under the model's own distribution, fail a property:
+#: a correct backend fails it with at most this probability per example.
+IMPLAUSIBLE = 1e-6
+
+
+def _whole_distribution(batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+    """``batch`` with every row sampling from the model's whole distribution (per-row
+    temperature 1, no top-k, top-p or min-p), so each row's reported logprobs, raw or
+    processed, are the log-probabilities its tokens were drawn with."""
+    rows = batch["input_ids"].shape[0]
+    batch["temperature"] = torch.ones(rows, dtype=torch.float32)
+    batch["top_p"] = torch.ones(rows, dtype=torch.float32)
+    batch["min_p"] = torch.zeros(rows, dtype=torch.float32)
+    batch["top_k"] = torch.full((rows,), -1, dtype=torch.int64)
+    return batch
+
+
+def _row_log_probability(output: Mapping[str, Any], row: int, prompt_length: int) -> float:
+    """The log-probability of row ``row``'s whole continuation: the sum of its generated
+    tokens' reported logprobs."""
+    end = int(output["unpadded_sequence_lengths"][row])
+    return float(output["logprobs"][row, prompt_length:end].double().sum())
 
 
 class DeterminismProperties(SuiteBase):
@@ -40,14 +68,27 @@ class DeterminismProperties(SuiteBase):
     def test_rows_sharing_a_prompt_sample_independently(
         self, subject: ConformanceSubject, data: st.DataObject
     ):
-        """Eight copies of one prompt, sampled, do not all give the same continuation."""
+        """Eight copies of one prompt, sampled from the model's whole distribution with the
+        config's seed, give the same continuation no more often than that distribution allows.
+
+        Eight independent draws all equal one continuation of probability p with probability
+        p^8; rows that do so with p^7 < ``IMPLAUSIBLE`` fail (p from the rows' own logprobs).
+        A prompt whose distribution all but fixes its continuation may give eight equal rows.
+        """
         prompt = data.draw(prompts(subject.vocab_size, min_rows=1, max_rows=1), label="prompt")[0]
-        batch = pad_prompts(
-            [prompt] * 8, "right", pad_token_id=subject.backend.config["pad_token_id"]
+        batch = _whole_distribution(
+            pad_prompts([prompt] * 8, "right", pad_token_id=subject.backend.config["pad_token_id"])
         )
         output = subject.backend.generate(batch, greedy=False)
         rows = {tuple(row.tolist()) for row in output["output_ids"]}
-        assert len(rows) > 1, f"8 sampled rows of prompt {prompt} are all identical: {rows}"
+        if len(rows) > 1:
+            return
+        log_p = _row_log_probability(output, 0, len(prompt))
+        assert 7 * log_p >= math.log(IMPLAUSIBLE), (
+            f"8 sampled rows of prompt {prompt} are all identical ({rows}), though their "
+            f"continuation has probability {math.exp(log_p):.3g} under the rows' own logprobs "
+            f"(8 equal draws: p^7 = {math.exp(7 * log_p):.3g} < {IMPLAUSIBLE:g})"
+        )
 
     @property_settings
     @given(data=st.data(), seed=st.integers(0, 2**62), gap_bits=st.sampled_from([31, 32, 48]))
@@ -55,10 +96,18 @@ class DeterminismProperties(SuiteBase):
         self, subject: ConformanceSubject, data: st.DataObject, seed: int, gap_bits: int
     ):
         """Per-row seeds that differ only in high bits (2^31, 2^32, 2^48 apart) sample
-        differently, and each seed repeats its own sample: no seed bits are dropped."""
+        differently, and each seed repeats its own sample: no seed bits are dropped.
+
+        Eight rows of one prompt, sampled from the model's whole distribution, each with its
+        own seed, then with each seed moved by 2^gap_bits: row i repeats its continuation (of
+        probability p_i) by chance with probability p_i^2, so all eight together with
+        probability prod(p_i^2). Moved seeds that repeat all eight rows with prod(p_i) <
+        ``IMPLAUSIBLE`` fail (p_i from the rows' own logprobs); rows whose distribution all
+        but fixes them may repeat.
+        """
         prompt = data.draw(prompts(subject.vocab_size, min_rows=1, max_rows=1), label="prompt")[0]
-        batch = pad_prompts(
-            [prompt] * 8, "right", pad_token_id=subject.backend.config["pad_token_id"]
+        batch = _whole_distribution(
+            pad_prompts([prompt] * 8, "right", pad_token_id=subject.backend.config["pad_token_id"])
         )
         low = torch.arange(8, dtype=torch.int64) * 7919 + seed
         outputs = []
@@ -68,7 +117,14 @@ class DeterminismProperties(SuiteBase):
         self._assert_same(subject, outputs[0], outputs[2], "the same sample_seeds twice")
         first = [tuple(row.tolist()) for row in outputs[0]["output_ids"]]
         moved = [tuple(row.tolist()) for row in outputs[1]["output_ids"]]
-        assert first != moved, f"seeds 2^{gap_bits} apart gave identical samples on all 8 rows"
+        if first != moved:
+            return
+        log_p = sum(_row_log_probability(outputs[0], i, len(prompt)) for i in range(8))
+        assert log_p >= math.log(IMPLAUSIBLE), (
+            f"seeds 2^{gap_bits} apart gave identical samples on all 8 rows, though repeating "
+            f"them by chance has probability {math.exp(2 * log_p):.3g} under the rows' own "
+            f"logprobs (prod p_i = {math.exp(log_p):.3g} < {IMPLAUSIBLE:g})"
+        )
 
     @property_settings
     @given(data=st.data(), greedy=st.booleans())
