@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from gen_interface.weights import refit
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase
 
 __all__ = ["MetricsProperties"]
+
+#: A backend's per-replica count of generated tokens (other per-replica metrics may sit beside it).
+_REPLICA_TOKENS = re.compile(r"replica_\d+_tokens_generated_total")
 
 
 class MetricsProperties(SuiteBase):
@@ -41,13 +45,14 @@ class MetricsProperties(SuiteBase):
         assert metrics["tokens_per_second"] > 0
         behind = sum(v for k, v in metrics.items() if k.startswith("tokens_versions_behind_"))
         assert behind == tokens == metrics.get("tokens_versions_behind_0_total", 0)
-        per_replica = [v for k, v in metrics.items() if k.startswith("replica_")]
+        per_replica = [v for k, v in metrics.items() if _REPLICA_TOKENS.fullmatch(k)]
         assert not per_replica or sum(per_replica) == tokens
         assert all(isinstance(v, int | float) for v in metrics.values())
         backend.clear_logger_metrics()
         cleared = backend.get_logger_metrics()
         assert cleared["rows_generated_total"] == cleared["tokens_generated_total"] == 0
-        assert all(v == 0 for k, v in cleared.items() if k.startswith("replica_"))
+        counters = [k for k in cleared if k.startswith("replica_") and k.endswith("_total")]
+        assert all(cleared[k] == 0 for k in counters), {k: cleared[k] for k in counters}
 
     def test_metrics_count_refits_versions_and_stale_refusals(self, subject: ConformanceSubject):
         if not self.claims_weight_updates:
