@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from gen_vllm.logs import quiet_ray_driver
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-__all__ = ["Bundle", "RayVirtualCluster"]
+__all__ = ["Bundle", "RayVirtualCluster", "ray_reachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class RayVirtualCluster:
         name: a prefix for the placement groups' names.
         address: a Ray cluster to join (``"auto"``, ``"ray://host:port"``); default: the running
             one, or ``RAY_ADDRESS``, or a new local Ray, which the last cluster using it stops at
-            its ``shutdown()``. A Ray started here listens on the loopback interface only;
-            a joined one keeps its own addresses.
+            its ``shutdown()``. A Ray started here listens on the loopback interface only, and
+            its daemons run in process groups of their own, so a signal to this process's group
+            (``kill -TERM -PGID``) stops this process, which then stops Ray in order; a joined
+            Ray keeps its own addresses.
         placement_timeout_s: how long to wait for the bundles to be reserved.
         fixed_size: the cluster gets no new nodes, so a request its nodes can never hold (by
             their total resources) is refused at once instead of waiting
@@ -111,7 +114,7 @@ class RayVirtualCluster:
                 if address:
                     ray.init(address=address, log_to_driver=True, logging_level=level)
                 else:
-                    with _on_loopback():
+                    with _on_loopback(), _daemons_in_own_process_groups():
                         ray.init(include_dashboard=False, log_to_driver=True, logging_level=level)
                     RayVirtualCluster._own_ray = True
             except Exception as exc:  # Ray raises many types; all mean "no cluster"
@@ -272,13 +275,18 @@ class RayVirtualCluster:
 
     def shutdown(self) -> None:
         """Remove the placement groups; stop Ray when it was started here and no other cluster
-        uses it. Idempotent."""
+        uses it. Idempotent, and bounded: when Ray's GCS is gone (its processes were killed,
+        e.g. by a signal to every process of a service), nothing is asked of it (each call
+        would wait a minute for it) and only the local Ray is stopped."""
         import ray
 
         if not ray.is_initialized():
             return
         from ray.util.placement_group import remove_placement_group
 
+        if not ray_reachable():
+            logger.warning("Ray's GCS is gone: its placement groups are left to it")
+            self._placement_groups = []
         for group in self._placement_groups:
             try:
                 remove_placement_group(group)
@@ -313,6 +321,45 @@ def _on_loopback() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_machine
+
+
+@contextlib.contextmanager
+def _daemons_in_own_process_groups() -> Iterator[None]:
+    """Start Ray's daemons (GCS, raylet and their helpers, and through the raylet the workers)
+    each in a process group of its own. Ray starts them in the driver's group, so a signal to
+    that group (``kill -TERM -PGID``, what a service manager or a shell's job control sends)
+    killed Ray under the driver, whose shutdown then waited a minute for the GCS. They still
+    end with the driver: Ray has each die with its parent (``PR_SET_PDEATHSIG``)."""
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class _OwnGroup(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnGroup  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen  # type: ignore[misc]
+
+
+def ray_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether this process's Ray can be asked anything: its GCS accepts a connection within
+    ``timeout_s``. False when Ray is not initialised or its GCS process is gone; then every
+    Ray call would wait about a minute before it fails."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        host, port = str(ray.get_runtime_context().gcs_address).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def _describe(totals: dict[str, float]) -> str:
