@@ -11,6 +11,7 @@ import pytest
 from gen_interface import BackendUnavailableError, GenerationError
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
+from interrupts import ctrl_c_while_waiting_in
 
 
 def _alive(pid: int) -> bool:
@@ -87,12 +88,23 @@ def test_shutdown_stops_every_engine_process(own_backend, ray_session):
 
 def test_an_interrupted_generate_takes_its_rows_out_of_the_engines(own_backend):
     """Fails on the main before the shared base: Ctrl-C in a synchronous ``generate`` returned
-    at once but left its rows running in the engines."""
+    at once but left its rows running in the engines. The Ctrl-C comes once ``generate`` waits
+    for its rows, with Python's handler in place (``interrupts.py``): a timer's fixed delay
+    made this depend on the machine's load and on the SIGINT disposition pytest inherited.
+    It comes once the rows are in the engine, so that there is something to take out."""
+    from gen_vllm.background_loop import BackgroundLoop
+
     batch = pad_prompts([[5, 6, 7]] * 8, "right")
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        own_backend.generate(batch, greedy=False)  # 8 rows of 200 tokens: seconds on 2 cores
+
+    def rows_running() -> bool:
+        return sum(own_backend.rows_in_flight()) > 0
+
+    with (
+        ctrl_c_while_waiting_in(BackgroundLoop.run, rows_running) as sent,
+        pytest.raises(KeyboardInterrupt),
+    ):
+        own_backend.generate(batch, greedy=False)  # 8 rows of 200 tokens: seconds here
+    assert sent.is_set()
     deadline = time.monotonic() + 10
     while own_backend.rows_in_flight() != [0] and time.monotonic() < deadline:
         time.sleep(0.1)
