@@ -38,13 +38,13 @@ def _hf_server(model: TinyModel, logprobs_mode: str) -> tuple[ServerThread, Call
 
 
 def _vllm_server(model: TinyModel, logprobs_mode: str) -> tuple[ServerThread, Callable[[], None]]:
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     pytest.importorskip("vllm")
     from gen_interface import configure_generation_config
+    from gen_testkit.ray_for_tests import init_test_ray
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    init_test_ray()  # shared with other packages' tests: the same shape whoever starts it
     _, tokens = tokenizer_of(model)
     config = configure_generation_config(
         {

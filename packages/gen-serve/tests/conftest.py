@@ -24,14 +24,13 @@ def hf_server(tiny_qwen2: Any) -> Iterator[ServerThread]:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_qwen2: Any) -> Iterator[ServerThread]:
     """gen-serve over gen-vllm (one CPU engine) on the tiny Qwen2."""
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     pytest.importorskip("vllm")
     from gen_interface import configure_generation_config
+    from gen_testkit.ray_for_tests import init_test_ray
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    init_test_ray()  # shared with other packages' tests: the same shape whoever starts it
     _, tokens = tokenizer_of(tiny_qwen2)
     config = configure_generation_config(
         {

@@ -4,6 +4,7 @@ leaving no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -115,6 +116,50 @@ def test_sigterm_ends_requests_in_flight_stops_engines_and_leaves_nothing(tiny_q
         assert ended.wait(10), "the client of the request in flight was left hanging"
         finals = [json.loads(x) for x in streamed if x.startswith("{")]
         assert finals, "the request in flight got no chunk"
+        deadline = time.monotonic() + 20
+        while _session_processes(sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _session_processes(sid), "processes of the server outlived it"
+    finally:
+        server.stop()
+
+
+def _signal_every_process(sid: int) -> None:
+    """SIGTERM to every process of the session, whatever its group: what a service manager's
+    ``KillMode=control-group`` does."""
+    for pid in _session_processes(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("reached", ["the_process_group", "every_process"])
+def test_sigterm_to_the_whole_vllm_service_stops_it_cleanly_and_fast(tiny_qwen2, reached):
+    """``kill -TERM -PGID`` once reached Ray's own daemons, which share the server's process
+    group: the server's shutdown then waited 60 s for Ray's GCS and exited 1. Ray's daemons
+    now run in groups of their own, and when a signal reaches them anyway (every process of
+    the service signalled) nothing is asked of the dead GCS: either way the server exits 0 in
+    seconds and leaves no process behind."""
+    pytest.importorskip("vllm")
+    port = free_port()
+    server = ServerProcess(
+        _command("vllm", tiny_qwen2, port),
+        port,
+        env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+        name=f"gen-serve-vllm-{reached}",
+    )
+    try:
+        server.wait_ready(300)
+        sid = os.getsid(server.process.pid)
+        assert len(_session_processes(sid)) > 2, "Ray's processes are not in the session"
+        stopped = time.monotonic()
+        if reached == "the_process_group":
+            os.killpg(server.process.pid, signal.SIGTERM)
+        else:
+            _signal_every_process(sid)
+        code = server.process.wait(120)
+        took = time.monotonic() - stopped
+        assert code == 0, f"gen-serve exited with {code}:\n{server.tail()}"
+        assert took < 40, f"gen-serve took {took:.0f} s to stop:\n{server.tail()}"
         deadline = time.monotonic() + 20
         while _session_processes(sid) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -24,6 +24,7 @@ class TestSglangConfigSchema(ConfigSchemaChecks):
             "python": st.none() | st.just("/opt/sglang/bin/python"),
             "num_replicas": st.integers(1, 64),
             "device": st.sampled_from(["auto", "cpu", "cuda"]),
+            "kv_cache_gib": st.none() | st.floats(0.001, 64.0),
             "mem_fraction_static": st.none() | st.floats(0.01, 1.0),
             "max_total_tokens": st.none() | st.integers(2, 10**6),
             "context_length": st.none() | st.integers(2, 10**6),

@@ -9,6 +9,7 @@ two). The loop's ``shutdown`` leaves no server process or staged file behind.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from example_modules import load_example
@@ -18,19 +19,26 @@ from gen_testkit.models import TinyModel
 
 
 def _servers_and_staging() -> tuple[set[int], set[str]]:
-    """The SGLang server processes running; this process's staged checkpoints and servers'
-    temp directories, and SGLang's slot files in shared memory."""
-    servers = set()
+    """This process's SGLang server processes running: the sessions of the processes whose
+    environment has the ``TMPDIR`` named with this process's owner tag (SGLang retitles some of
+    its processes over their environment, hence the sessions); this process's staged
+    checkpoints and servers' temp directories. Other SGLang servers on the machine (other
+    test runs) come and go meanwhile: they are not counted. Whether a server leaves files in
+    ``/dev/shm`` is checked by ``test_faults``, which can tell a server's own files apart."""
+    mine = f"TMPDIR={segment_dir() / STAGED_PREFIX}{owner_tag()}-".encode()
+    sessions: dict[int, int] = {}
+    marked = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                command = (entry / "cmdline").read_bytes()
+                sessions[int(entry.name)] = os.getsid(int(entry.name))
+                environment = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            if b"gen_sglang_launch" in command or b"sglang.launch_server" in command:
-                servers.add(int(entry.name))
+            if any(v.startswith(mine) for v in environment.split(b"\0")):
+                marked.add(sessions[int(entry.name)])
+    servers = {pid for pid, sid in sessions.items() if sid in marked}
     staged = {p.name for p in segment_dir().glob(f"{STAGED_PREFIX}{owner_tag()}-*")}
-    staged |= {p.name for p in Path("/dev/shm").glob("sglang_loads_*")}  # SGLang's own
     return servers, staged
 
 

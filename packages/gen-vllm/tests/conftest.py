@@ -11,21 +11,17 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 KV_GIB = 0.25
 
 
-#: Logical GPUs of the test Ray where no GPU is present: the fake engine's tests run the CUDA
-#: code paths (GPU bundles, sleep mode, tensor parallelism) on them. Ray only counts them.
-LOGICAL_GPUS = 8
-
-
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the session, with more logical CPUs than cores so that the shared
-    engines (one bundle of 1 CPU each) can all stay up at once, and logical GPUs for the fake
-    engine. Real engines are built on CPU bundles (``use_gpus=False``)."""
+    """One local Ray for the session (``gen_testkit.ray_for_tests``: the same shape whichever
+    package's tests start it), with more logical CPUs than cores so that the shared engines
+    (one bundle of 1 CPU each) can all stay up at once, and logical GPUs for the fake engine.
+    Real engines are built on CPU bundles (``use_gpus=False``)."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("vllm")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=16, num_gpus=LOGICAL_GPUS, include_dashboard=False, log_to_driver=False)
+    from gen_testkit.ray_for_tests import init_test_ray
+
+    started = init_test_ray()
     yield ray
     if started:
         ray.shutdown()

@@ -99,3 +99,34 @@ def test_a_cpu_engine_leaves_one_core_of_its_share_to_scheduling_and_messages():
 
     assert [engine_threads(cores, None) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]
     assert engine_threads(2, 2) == 2, "vllm_cfg.cpu_threads decides when given"
+
+
+def test_a_placement_a_fixed_size_cluster_cannot_hold_is_refused_at_once(ray_session):
+    """``fixed_size=True`` (the default for a Ray the backend starts itself): no waiting
+    ``placement_timeout_s`` for resources that can never appear, and the message says what was
+    asked and what the nodes hold."""
+    import time
+
+    from gen_vllm import RayVirtualCluster
+
+    cpus = ray_session.cluster_resources()["CPU"]
+    began = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="fixed-size cluster") as refused:
+        RayVirtualCluster(
+            [1], use_gpus=False, num_cpus_per_bundle=cpus + 1, placement_timeout_s=120,
+            fixed_size=True,
+        )  # fmt: skip
+    assert time.monotonic() - began < 30
+    assert f"bundles of {cpus + 1:g} CPUs" in str(refused.value)
+    assert f"{cpus:g} CPUs and" in str(refused.value)
+
+
+def test_entries_are_matched_to_nodes_not_placed_first_fit():
+    """Entry 0 fits either node, entry 1 only the larger: first fit would give entry 0 the
+    larger node and call the layout impossible."""
+    from gen_vllm.cluster import _fits
+
+    nodes = [{"CPU": 4.0}, {"CPU": 2.0}]
+    assert _fits([{"CPU": 2.0}, {"CPU": 4.0}], nodes)
+    assert not _fits([{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 1.0}], nodes), "an entry per node"
+    assert not _fits([{"CPU": 1.0, "GPU": 1.0}], nodes)

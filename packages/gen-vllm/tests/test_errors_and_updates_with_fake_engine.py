@@ -94,11 +94,22 @@ def test_replicas_whose_packed_layers_compute_differently_are_caught(own, tiny_q
         _greedy(backend)
 
 
+def test_the_session_ray_has_the_logical_gpus_whichever_package_started_it(fake_engine_shipped):
+    """The fake engine needs logical GPUs. In ``pytest packages``, gen-serve's and gen-remote's
+    fixtures started the process's Ray first, without them, and the fake-engine tests that
+    follow then failed ("use_gpus=True but Ray sees no GPU") or were skipped: every fixture
+    now starts the same Ray (``gen_testkit.ray_for_tests``)."""
+    from gen_testkit.ray_for_tests import TEST_RAY_GPUS
+
+    assert fake_engine_shipped.cluster_resources().get("GPU", 0) == TEST_RAY_GPUS
+
+
 def test_shutdown_frees_the_cluster_even_when_stopping_the_engines_fails(
     fake_engine_shipped, tiny_qwen2, tmp_path, monkeypatch
 ):
     """Fails on the main before the shared base: a failing step of shutdown left the cluster
-    the backend started (its placement groups) behind."""
+    the backend started (its placement groups) behind. It failed after other packages' tests
+    in one process, whose Ray had no logical GPUs (see the test above)."""
     from fake_vllm_engine import FakeEngineFactory
     from gen_testkit.conformance import conformance_config
     from gen_vllm import VllmGeneration

@@ -11,6 +11,7 @@ import pytest
 from gen_interface import BackendUnavailableError, GenerationError
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
+from interrupts import ctrl_c_while_waiting_in
 
 
 def _alive(pid: int) -> bool:
@@ -87,12 +88,23 @@ def test_shutdown_stops_every_engine_process(own_backend, ray_session):
 
 def test_an_interrupted_generate_takes_its_rows_out_of_the_engines(own_backend):
     """Fails on the main before the shared base: Ctrl-C in a synchronous ``generate`` returned
-    at once but left its rows running in the engines."""
+    at once but left its rows running in the engines. The Ctrl-C comes once ``generate`` waits
+    for its rows, with Python's handler in place (``interrupts.py``): a timer's fixed delay
+    made this depend on the machine's load and on the SIGINT disposition pytest inherited.
+    It comes once the rows are in the engine, so that there is something to take out."""
+    from gen_vllm.background_loop import BackgroundLoop
+
     batch = pad_prompts([[5, 6, 7]] * 8, "right")
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        own_backend.generate(batch, greedy=False)  # 8 rows of 200 tokens: seconds on 2 cores
+
+    def rows_running() -> bool:
+        return sum(own_backend.rows_in_flight()) > 0
+
+    with (
+        ctrl_c_while_waiting_in(BackgroundLoop.run, rows_running) as sent,
+        pytest.raises(KeyboardInterrupt),
+    ):
+        own_backend.generate(batch, greedy=False)  # 8 rows of 200 tokens: seconds here
+    assert sent.is_set()
     deadline = time.monotonic() + 10
     while own_backend.rows_in_flight() != [0] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -176,3 +188,65 @@ def test_an_engine_that_cannot_start_is_reported(ray_session, tmp_path):
             VllmGeneration(cluster, config)
     finally:
         cluster.shutdown()
+
+
+_TOO_MANY_REPLICAS = """
+import json, sys, time, psutil, ray
+from gen_interface import BackendUnavailableError
+from gen_vllm import RayVirtualCluster, VllmGeneration
+
+config = {
+    "backend": "vllm", "model_name": "never-loaded", "max_new_tokens": 4, "temperature": 1.0,
+    "top_p": 1.0, "pad_token_id": 0, "stop_token_ids": [],
+}
+began = time.monotonic()
+try:
+    VllmGeneration.create(config, replicas=3, use_gpus=False)
+except BaseException as exc:
+    refused = {"type": type(exc).__name__, "message": str(exc),
+               "is_unavailable": isinstance(exc, BackendUnavailableError)}
+else:
+    refused = None
+seconds = time.monotonic() - began
+stopped = not ray.is_initialized()
+# Ray is usable again: a cluster that fits starts a fresh Ray of its own and reserves its bundles.
+with RayVirtualCluster([2], use_gpus=False) as cluster:
+    fitted = cluster.world_size
+time.sleep(1)
+left = [p.name() for p in psutil.Process().children(recursive=True) if p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE]
+print(json.dumps({"refused": refused, "seconds": seconds, "stopped": stopped, "fitted": fitted,
+                  "left": left}))
+"""
+
+
+def test_more_replicas_than_the_backends_own_ray_can_place_are_refused_at_once():
+    """Three replicas of one CPU on a Ray of 2 logical CPUs (the backend's own Ray, on this 2-core
+    machine by default): before, the placement group waited 3 minutes for CPUs that can never
+    appear, and the error path then asked the Ray it had just stopped for its nodes (an untyped
+    RaySystemError). Now the typed error names what was asked and what exists, in seconds, and
+    Ray is stopped and startable again. A process of its own: the session's Ray is joined, not
+    started."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"CPU": 2})  # whatever this machine's cores
+    done = subprocess.run(
+        [sys.executable, "-c", _TOO_MANY_REPLICAS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    refused = seen["refused"]
+    assert refused is not None, "3 replicas on 2 CPUs were accepted"
+    assert refused["is_unavailable"], refused
+    assert "[3] bundles of 1 CPUs each" in refused["message"], refused["message"]
+    assert "2 CPUs" in refused["message"] and "fixed-size" in refused["message"]
+    # The default placement timeout is 180 s; Ray's own start takes a few seconds here.
+    assert seen["seconds"] < 60, seen
+    assert seen["stopped"], "the refused backend's own Ray is still running"
+    assert seen["fitted"] == 2
+    assert seen["left"] == [], f"processes left behind: {seen['left']}"

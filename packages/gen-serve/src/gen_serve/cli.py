@@ -5,8 +5,9 @@
 ``--config`` is a YAML or JSON generation config (checked like every config); the command line
 fills ``backend`` and ``model_name`` and the server-side settings. ``--replicas`` reaches
 backends whose ``create`` takes it (gen-vllm). The server listens on 127.0.0.1 unless told
-otherwise, and stops cleanly on SIGTERM: requests in flight get ``--graceful-seconds`` to
-finish, then the backend shuts down.
+otherwise, and stops cleanly on SIGTERM, sent to it alone, to its process group or to every
+process of the service: requests in flight get ``--graceful-seconds`` to finish, then the
+backend shuts down.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from gen_interface.config import GENERATION_CONFIG_DEFAULTS
 from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts, serving_dir
 from gen_sglang.config import SglangConfig, complete_sglang_config
 from gen_sglang.environment import managed_python, support_dir
+from gen_sglang.kv_cache import kv_bytes_per_token, kv_cache_args
 from gen_sglang.rows import RowStream, batch_body, generate_body, score_body, scored_row
 from gen_sglang.server import SglangServer
 from gen_sglang.text import SglangTextCodec
@@ -79,6 +80,7 @@ class SglangGeneration(GenerationBackend):
         config = self.complete_config(_with_model_defaults(config, self._facts))
         settings = config["sglang_cfg"]
         self._device = _resolve_device(settings["device"])
+        self._kv_bytes_per_token = kv_bytes_per_token(model_dir, dtype)
         self.context_length = settings["context_length"] or self._facts.context_length
         self._client = httpx.Client(
             timeout=httpx.Timeout(settings["timeout_s"], connect=10.0),
@@ -291,7 +293,13 @@ class SglangGeneration(GenerationBackend):
                     "with `pip install sglang`"
                 )
             python = str(managed_python())
-        args = _server_args(config, dtype, cpu=cpu, tokenizer=self._facts.has_tokenizer)
+        args = _server_args(
+            config,
+            dtype,
+            cpu=cpu,
+            tokenizer=self._facts.has_tokenizer,
+            kv_bytes=self._kv_bytes_per_token,
+        )
         env = {"PYTHONPATH": ":".join(support_dir(cpu=cpu))}
         # Greedy rows report raw logprobs (sampled rows report RowSampler's own).
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
@@ -407,19 +415,16 @@ def _refused(server: SglangServer, response: httpx.Response) -> GenerationError:
     return GenerationError(f"SGLang ({server.name}) answered {response.status_code}: {text}")
 
 
-def _server_args(config: SglangConfig, dtype: str, *, cpu: bool, tokenizer: bool) -> list[str]:
+def _server_args(
+    config: SglangConfig, dtype: str, *, cpu: bool, tokenizer: bool, kv_bytes: int
+) -> list[str]:
     settings = config["sglang_cfg"]
     args = ["--dtype", dtype, "--weight-version", "0", "--enable-custom-logit-processor"]
     # An idle scheduler otherwise polls at 100% of a core, starving whatever runs beside it.
     args += ["--load-format", settings["load_format"], "--random-seed", "0", "--sleep-on-idle"]
     if cpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-    fraction = settings["mem_fraction_static"] or (0.05 if cpu else None)
-    if fraction is not None:
-        args += ["--mem-fraction-static", str(fraction)]
-    total = settings["max_total_tokens"] or (4096 if cpu else None)
-    if total is not None:
-        args += ["--max-total-tokens", str(total)]
+    args += kv_cache_args(settings, kv_bytes, cpu=cpu)
     if settings["context_length"] is not None:
         args += ["--context-length", str(settings["context_length"])]
     if not settings["radix_cache"]:

@@ -19,8 +19,9 @@ class SglangSettings(TypedDict, total=False):
     python: str | None  # the interpreter of SGLang's environment; None: the managed one (CPU)
     num_replicas: int  # servers, each with the whole model; rows are spread over them (1)
     device: Device  # "auto": cuda when this machine has a GPU, else cpu ("auto")
-    mem_fraction_static: float | None  # SGLang's; None: 0.05 on the CPU, SGLang's default else
-    max_total_tokens: int | None  # KV cache tokens; None: 4096 on the CPU, SGLang's default else
+    kv_cache_gib: float | None  # KV cache per server, GiB; None: 0.25 on the CPU, SGLang's sizing
+    max_total_tokens: int | None  # caps the KV cache's tokens further; None: no cap
+    mem_fraction_static: float | None  # SGLang's; None: 1 on the CPU, SGLang's default else
     context_length: int | None  # prompt + generation at most; None: the model's
     radix_cache: bool  # reuse the KV of cached prefixes (True); see the README on exactness
     start_timeout_s: float  # how long a server may take to answer /health_generate (600)
@@ -34,8 +35,9 @@ SGLANG_CFG_DEFAULTS: SglangSettings = {
     "python": None,
     "num_replicas": 1,
     "device": "auto",
-    "mem_fraction_static": None,
+    "kv_cache_gib": None,
     "max_total_tokens": None,
+    "mem_fraction_static": None,
     "context_length": None,
     "radix_cache": True,
     "start_timeout_s": 600.0,
@@ -73,6 +75,11 @@ def complete_sglang_config(config: Mapping[str, Any]) -> SglangConfig:
     for key in ("max_total_tokens", "context_length"):
         if cfg[key] is not None:
             check_int_setting(cfg, "sglang_cfg", key, minimum=2)
+    gib = cfg["kv_cache_gib"]
+    if gib is not None and not (_is_number(gib) and gib > 0):
+        raise GenerationConfigError(
+            f"sglang_cfg.kv_cache_gib must be a number of GiB > 0 or null, got {gib!r}"
+        )
     fraction = cfg["mem_fraction_static"]
     if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
         raise GenerationConfigError(

@@ -8,20 +8,20 @@ every start-up error quotes; when it stops, that log is appended to the run's lo
 ``GEN_VERBOSE=1`` its lines reach standard error as they come (``logs.py``).
 
 SGLang leaves files behind however it stops (its ZMQ sockets in the temp directory, a
-``sglang_loads_*`` slot file in ``/dev/shm`` per server). So each server gets a directory of
-its own in shared memory as its ``TMPDIR``, named with the owner's tag like the staged
-checkpoints (``checkpoint.STAGED_PREFIX``, swept the same way when the owner is gone), and
-``stop`` removes it, and the ``/dev/shm`` files the server's processes had open. Stopping is
-SIGKILL to the session, as SGLang stops its own processes: a SIGTERM only adds its 5 s
-crash-diagnostics pause.
+``sglang_loads_*`` slot file in ``/dev/shm`` per server, multiprocessing's ``sem.mp-*``
+semaphores). So each server gets a directory of its own in shared memory as its ``TMPDIR``,
+named with the owner's tag like the staged checkpoints (``checkpoint.STAGED_PREFIX``, swept the
+same way when the owner is gone), and ``stop`` removes it, and the ``/dev/shm`` files the
+server's processes had open at any check while it started or when it stopped (so a server that
+died on its own leaves none either). Stopping is SIGKILL to the session, as SGLang stops its own
+processes (a SIGTERM only adds its 5 s crash-diagnostics pause), with Python's resource tracker
+killed last, so that it unlinks the semaphores (``kill_session``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -36,7 +36,12 @@ from gen_interface.weights.shm import owner_tag, segment_dir, sweep_orphans
 
 from gen_sglang.checkpoint import STAGED_PREFIX
 from gen_sglang.logs import Echo, keep_log, verbose
-from gen_sglang.server_side.gen_sglang_launch import session_processes, shared_memory_files
+from gen_sglang.server_side.gen_sglang_launch import (
+    kill_session,
+    semaphore_files,
+    session_processes,
+    shared_memory_files,
+)
 
 __all__ = ["SglangServer", "free_port", "session_processes", "shared_memory_files"]
 
@@ -98,8 +103,10 @@ class SglangServer:
             ) from exc
         os.close(handle)
         echo = Echo(name, self.log_path) if verbose() else None
+        #: ``/dev/shm`` files the server's processes were seen holding: its own, removed at stop.
+        self.shm_files: set[Path] = set()
         self._finalizer = weakref.finalize(
-            self, _stop, self.process, self.log_path, self.tmp_dir, name, echo
+            self, _stop, self.process, self.log_path, self.tmp_dir, name, echo, self.shm_files
         )
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -112,6 +119,7 @@ class SglangServer:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(base_url=self.url, timeout=30.0) as client:
             while time.monotonic() < deadline:
+                self.shm_files |= shared_memory_files(self.process.pid)
                 if self.process.poll() is not None:
                     raise BackendUnavailableError(
                         f"SGLang ({self.name}) exited with code {self.process.returncode} while "
@@ -119,6 +127,7 @@ class SglangServer:
                     )
                 try:
                     if client.get("/health_generate").status_code == 200:
+                        self.shm_files |= shared_memory_files(self.process.pid)
                         return
                 except httpx.TransportError:
                     pass
@@ -152,18 +161,17 @@ def _stop(
     tmp_dir: Path,
     name: str = "server",
     echo: Echo | None = None,
+    seen: set[Path] | None = None,
 ) -> None:
-    """SIGKILL the server's session, wait (5 s at most) until it is gone, keep its log in the
-    run's (or finish echoing it), remove its files."""
-    slots = shared_memory_files(process.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while session_processes(process.pid) and time.monotonic() < deadline:
-        process.poll()
-        time.sleep(0.05)
+    """Kill the server's session (``kill_session``: 5 s at most for the resource tracker to
+    unlink its semaphores), keep its log in the run's (or finish echoing it), remove its files:
+    its ``TMPDIR``, the ``/dev/shm`` files its processes held now or were ``seen`` holding, and
+    the semaphores named after it that are left (its tracker died first)."""
+    slots = shared_memory_files(process.pid) | (seen or set())
     process.poll()
-    for slot in slots:
+    kill_session(process.pid)
+    process.poll()
+    for slot in [*slots, *semaphore_files(process.pid)]:
         slot.unlink(missing_ok=True)
     if echo is not None:
         echo.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from gen_vllm.logs import quiet_ray_driver
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-__all__ = ["Bundle", "RayVirtualCluster"]
+__all__ = ["Bundle", "RayVirtualCluster", "ray_reachable"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,20 @@ class RayVirtualCluster:
         name: a prefix for the placement groups' names.
         address: a Ray cluster to join (``"auto"``, ``"ray://host:port"``); default: the running
             one, or ``RAY_ADDRESS``, or a new local Ray, which the last cluster using it stops at
-            its ``shutdown()``. A Ray started here listens on the loopback interface only;
-            a joined one keeps its own addresses.
+            its ``shutdown()``. A Ray started here listens on the loopback interface only, and
+            its daemons run in process groups of their own, so a signal to this process's group
+            (``kill -TERM -PGID``) stops this process, which then stops Ray in order; a joined
+            Ray keeps its own addresses.
+        placement_timeout_s: how long to wait for the bundles to be reserved.
+        fixed_size: the cluster gets no new nodes, so a request its nodes can never hold (by
+            their total resources) is refused at once instead of waiting
+            ``placement_timeout_s``; False: wait, an autoscaler may add nodes. Default: True for
+            a Ray started here, False for a joined one.
 
     Raises:
-        BackendUnavailableError: Ray cannot start or join, or the resources are not there.
+        BackendUnavailableError: Ray cannot start or join, or the resources are not there. The
+            message says what was asked and what the nodes hold. A Ray started here is stopped
+            again (when no other cluster uses it) before the error is raised.
     """
 
     # A Ray that clusters of this process started is stopped by the last of them to shut down.
@@ -76,6 +86,7 @@ class RayVirtualCluster:
         name: str = "gen",
         address: str | None = None,
         placement_timeout_s: float = 180.0,
+        fixed_size: bool | None = None,
     ):
         if not bundle_ct_per_node_list or any(
             not isinstance(n, int) or n < 1 for n in bundle_ct_per_node_list
@@ -103,7 +114,7 @@ class RayVirtualCluster:
                 if address:
                     ray.init(address=address, log_to_driver=True, logging_level=level)
                 else:
-                    with _on_loopback():
+                    with _on_loopback(), _daemons_in_own_process_groups():
                         ray.init(include_dashboard=False, log_to_driver=True, logging_level=level)
                     RayVirtualCluster._own_ray = True
             except Exception as exc:  # Ray raises many types; all mean "no cluster"
@@ -114,6 +125,38 @@ class RayVirtualCluster:
         self.bundle_ct_per_node_list = list(bundle_ct_per_node_list)
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.name = name
+        self._placement_groups: list[PlacementGroup] = []
+        self.bundles: list[Bundle] = []
+        try:
+            self._reserve(
+                use_gpus,
+                num_gpus_per_node,
+                num_cpus_per_bundle,
+                placement_timeout_s,
+                self._uses_own_ray if fixed_size is None else fixed_size,
+            )
+        except BaseException:
+            # Every message was built above, while Ray still ran: nothing here asks a Ray that
+            # this shutdown may have just stopped.
+            self.shutdown()
+            raise
+
+    def _reserve(
+        self,
+        use_gpus: bool | None,
+        num_gpus_per_node: int | None,
+        num_cpus_per_bundle: float | None,
+        placement_timeout_s: float,
+        fixed_size: bool,
+    ) -> None:
+        """Decide the bundles and reserve them, one placement group per node entry.
+
+        Raises:
+            BackendUnavailableError: the resources are not there (at once on a ``fixed_size``
+                cluster whose nodes can never hold them).
+        """
+        import ray
+        from ray.util.placement_group import placement_group
 
         resources = ray.cluster_resources()
         gpus_seen = int(resources.get("GPU", 0))
@@ -121,38 +164,55 @@ class RayVirtualCluster:
         if self.use_gpus and gpus_seen == 0:
             raise BackendUnavailableError("use_gpus=True but Ray sees no GPU")
         self.num_gpus_per_node = num_gpus_per_node
+        counts = self.bundle_ct_per_node_list
         if self.use_gpus and num_gpus_per_node is not None:
-            too_many = [n for n in bundle_ct_per_node_list if n > num_gpus_per_node]
+            too_many = [n for n in counts if n > num_gpus_per_node]
             if too_many:
                 raise BackendUnavailableError(
                     f"{too_many[0]} bundles asked on a node of {num_gpus_per_node} GPUs"
                 )
-        nodes = max(1, len([n for n in ray.nodes() if n.get("Alive")]))
+        node_totals = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+        nodes = max(1, len(node_totals))
         # CPUs other work (e.g. another cluster in this Ray) already holds are not offered.
         cpus_per_node = min(
             resources.get("CPU", 1) / nodes, ray.available_resources().get("CPU", 1)
         )
-        self._placement_groups: list[PlacementGroup] = []
-        self.bundles: list[Bundle] = []
-        from ray.util.placement_group import placement_group
+        specs: list[dict[str, float]] = []
+        for node_index, count in enumerate(counts):
+            cpus = num_cpus_per_bundle or max(1.0, float(int(cpus_per_node // count)))
+            spec: dict[str, float] = {"CPU": cpus}
+            if self.use_gpus:
+                spec["GPU"] = 1.0
+            specs.append(spec)
+            self.bundles.extend(
+                Bundle(node_index, b, b, count, cpus, spec.get("GPU", 0.0)) for b in range(count)
+            )
+        cpus_each = " or ".join(f"{c:g}" for c in sorted({spec["CPU"] for spec in specs}))
+        asked = (
+            f"{counts} bundles of {cpus_each} CPUs{' and 1 GPU' if self.use_gpus else ''} "
+            "each, each entry on a node of its own"
+        )
+        held = ", ".join(_describe(totals) for totals in node_totals) or "no live node"
+        if fixed_size:
+            needs = [{k: v * count for k, v in spec.items()} for spec, count in zip(specs, counts)]
+            if not _fits(needs, node_totals):
+                raise BackendUnavailableError(
+                    f"Ray could not reserve {asked}: its {len(node_totals)} node(s) hold "
+                    f"{held}, and it is a fixed-size cluster (no autoscaler adds nodes), so "
+                    "this can never be placed. Ask for fewer replicas or bundles (or fewer CPUs "
+                    "per bundle), or give Ray more logical resources (e.g. ray.init(num_cpus=N) "
+                    "before the backend starts)"
+                )
 
         # One entry per node: each group is reserved after the previous ones, on a node none of
         # them holds (Ray places groups independently, so two could share a node otherwise).
         nodes_taken: list[str] = []
         try:
-            for node_index, count in enumerate(self.bundle_ct_per_node_list):
-                cpus = num_cpus_per_bundle or max(1.0, float(int(cpus_per_node // count)))
-                spec: dict[str, float] = {"CPU": cpus}
-                if self.use_gpus:
-                    spec["GPU"] = 1.0
-                self.bundles.extend(
-                    Bundle(node_index, b, b, count, cpus, spec.get("GPU", 0.0))
-                    for b in range(count)
-                )
+            for node_index, (count, spec) in enumerate(zip(counts, specs)):
                 group = placement_group(
                     [dict(spec) for _ in range(count)],
                     strategy="STRICT_PACK",
-                    name=f"{name}-node{node_index}-{os.getpid()}-{id(self)}",
+                    name=f"{self.name}-node{node_index}-{os.getpid()}-{id(self)}",
                     # No spaces: Ray ignores "!in(a, b)" with them.
                     bundle_label_selector=(
                         [{"ray.io/node-id": f"!in({','.join(nodes_taken)})"}] * count
@@ -164,12 +224,9 @@ class RayVirtualCluster:
                 ray.get(group.ready(), timeout=placement_timeout_s)
                 nodes_taken.append(_node_of(group))
         except Exception as exc:
-            self.shutdown()
             raise BackendUnavailableError(
-                f"Ray could not reserve {self.bundle_ct_per_node_list} bundles of "
-                f"{self.bundles[-1].num_cpus:g} CPUs{' and 1 GPU' if self.use_gpus else ''}, "
-                f"each entry on a node of its own, within {placement_timeout_s:g} s (cluster has "
-                f"{len(ray.nodes())} nodes and {resources}): {exc}"
+                f"Ray could not reserve {asked}, within {placement_timeout_s:g} s (its "
+                f"{len(node_totals)} node(s) hold {held}): {exc}"
             ) from exc
 
     @property
@@ -218,13 +275,18 @@ class RayVirtualCluster:
 
     def shutdown(self) -> None:
         """Remove the placement groups; stop Ray when it was started here and no other cluster
-        uses it. Idempotent."""
+        uses it. Idempotent, and bounded: when Ray's GCS is gone (its processes were killed,
+        e.g. by a signal to every process of a service), nothing is asked of it (each call
+        would wait a minute for it) and only the local Ray is stopped."""
         import ray
 
         if not ray.is_initialized():
             return
         from ray.util.placement_group import remove_placement_group
 
+        if not ray_reachable():
+            logger.warning("Ray's GCS is gone: its placement groups are left to it")
+            self._placement_groups = []
         for group in self._placement_groups:
             try:
                 remove_placement_group(group)
@@ -259,6 +321,74 @@ def _on_loopback() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_machine
+
+
+@contextlib.contextmanager
+def _daemons_in_own_process_groups() -> Iterator[None]:
+    """Start Ray's daemons (GCS, raylet and their helpers, and through the raylet the workers)
+    each in a process group of its own. Ray starts them in the driver's group, so a signal to
+    that group (``kill -TERM -PGID``, what a service manager or a shell's job control sends)
+    killed Ray under the driver, whose shutdown then waited a minute for the GCS. They still
+    end with the driver: Ray has each die with its parent (``PR_SET_PDEATHSIG``)."""
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class _OwnGroup(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnGroup  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen  # type: ignore[misc]
+
+
+def ray_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether this process's Ray can be asked anything: its GCS accepts a connection within
+    ``timeout_s``. False when Ray is not initialised or its GCS process is gone; then every
+    Ray call would wait about a minute before it fails."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        host, port = str(ray.get_runtime_context().gcs_address).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _describe(totals: dict[str, float]) -> str:
+    """One node's CPUs and GPUs, e.g. ``2 CPUs and 0 GPUs``."""
+    return f"{totals.get('CPU', 0.0):g} CPUs and {totals.get('GPU', 0.0):g} GPUs"
+
+
+def _fits(needs: list[dict[str, float]], node_totals: list[dict[str, float]]) -> bool:
+    """Whether every entry's needs fit on a node of its own, by the nodes' total resources.
+
+    A bipartite matching of entries to nodes (augmenting paths; both lists are small).
+    """
+    holds = [
+        [all(totals.get(k, 0.0) >= v for k, v in need.items()) for totals in node_totals]
+        for need in needs
+    ]
+    node_owner: list[int | None] = [None] * len(node_totals)
+
+    def place(entry: int, seen: set[int]) -> bool:
+        for node, fits in enumerate(holds[entry]):
+            if fits and node not in seen:
+                seen.add(node)
+                owner = node_owner[node]
+                if owner is None or place(owner, seen):
+                    node_owner[node] = entry
+                    return True
+        return False
+
+    return all(place(entry, set()) for entry in range(len(needs)))
 
 
 def _node_of(group: PlacementGroup) -> str:

@@ -17,7 +17,7 @@ from gen_interface import BackendBrokenError, BackendUnavailableError, Generatio
 from gen_interface.weights import WeightBase
 from gen_interface.weights.collective import CollectiveEndpoint
 
-from gen_vllm.cluster import Bundle, RayVirtualCluster
+from gen_vllm.cluster import Bundle, RayVirtualCluster, ray_reachable
 from gen_vllm.engine import EngineFactory
 from gen_vllm.logs import log_file, verbose, worker_env
 from gen_vllm.messages import RowRequest, UpdateReport, WorkerInfo
@@ -280,10 +280,16 @@ class ReplicaSet:
 
     def shutdown(self) -> None:
         """Stop every engine, then kill every actor, so no process is left behind. Idempotent.
-        After a call timed out (``stuck``), the actors are killed without waiting."""
+        After a call timed out (``stuck``), the actors are killed without waiting. When Ray's
+        GCS is gone (a signal reached every process of the service), nothing is asked of Ray:
+        the workers went with it, and each call would wait a minute for the GCS."""
         import ray
 
         if not self.actors:
+            return
+        if not ray_reachable():
+            logger.warning("Ray's GCS is gone: the vLLM workers are left to it")
+            self.actors = []
             return
         if not self.stuck:
             stops = [actor.shutdown.remote() for actor in self.actors]
