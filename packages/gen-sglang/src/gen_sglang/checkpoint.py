@@ -194,7 +194,11 @@ def serving_dir(model_dir: Path, under: Path) -> Path:
         if path.name in ("config.json", "generation_config.json", "tokenizer_config.json"):
             data = _json_or_empty(path)
             for section in (data, data.get("text_config") or {}):
-                section.pop("eos_token_id", None)
+                # None, not absent: an absent eos is the config class's default (Llama's: 2).
+                if path.name != "tokenizer_config.json":
+                    section["eos_token_id"] = None
+                else:
+                    section.pop("eos_token_id", None)
                 if "eos_token" in section:
                     section["eos_token"] = None
             target.write_text(json.dumps(data))

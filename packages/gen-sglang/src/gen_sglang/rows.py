@@ -76,7 +76,10 @@ def generate_body(
             "processed": processed,
         }
         body["custom_logit_processor"] = PROCESSOR
-        body["top_logprobs_num"] = 0  # RowSampler's own come in meta_info
+        # RowSampler's logprobs come in meta_info; SGLang's own would be computed and sent
+        # for nothing.
+        body["return_logprob"] = False
+        body["top_logprobs_num"] = 0
     body["sampling_params"] = params
     return body
 

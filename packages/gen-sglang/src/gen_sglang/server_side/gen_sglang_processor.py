@@ -96,33 +96,48 @@ class _Draws:
 def _choose(
     logits: torch.Tensor, params: list[dict[str, Any]], rows: list[RowSampling], live: list[int]
 ) -> torch.Tensor:
+    """Choose the ``live`` rows' tokens; returns ``logits`` ``[N, V]`` with each live row
+    allowing only its token (every other entry ``-inf``), the other rows as they came.
+
+    ``logits`` is overwritten in place: SGLang hands a processor a copy of its rows
+    (``index_select``) and copies the result back, so nothing else reads it. The work per step
+    is a few whole-batch tensor operations and one list per row; only the draws are per row,
+    each from its own generator.
+    """
     reqs = [p["__req__"] for p in params]
     draws = [_draws(req, row.seed) for req, row in zip(reqs, rows, strict=True)]
     for req, kept in zip(reqs, draws, strict=True):
         _forget_dropped(req, kept)
         kept.states[len(kept.choices)] = kept.generator.get_state()
-    index = torch.tensor(live, dtype=torch.int64, device=logits.device)
+    every = len(live) == logits.shape[0]
+    index = None if every else torch.tensor(live, dtype=torch.int64, device=logits.device)
     choice = select_next_tokens(
-        logits.index_select(0, index),
+        logits if index is None else logits.index_select(0, index),
         rows,
         processed=bool(params[0]["processed"]),
         generators=[kept.generator for kept in draws],
     )
+    tokens, logprobs = choice.tokens.tolist(), choice.logprobs.tolist()
+    most = choice.topk_ids.shape[1]
+    top_ids = choice.topk_ids.tolist() if most else None
+    top_logprobs = choice.topk_logprobs.tolist() if most else None
     for j, (row, kept) in enumerate(zip(rows, draws, strict=True)):
         k = row.top_logprobs
         kept.choices.append(
             [
-                int(choice.tokens[j]),
-                float(choice.logprobs[j]),
-                choice.topk_ids[j, :k].tolist(),
-                choice.topk_logprobs[j, :k].tolist(),
+                tokens[j],
+                logprobs[j],
+                top_ids[j][:k] if top_ids is not None else [],
+                top_logprobs[j][:k] if top_logprobs is not None else [],
             ]
         )
-    only = torch.full((len(live), logits.shape[1]), float("-inf"), dtype=logits.dtype)
-    only.scatter_(1, choice.tokens.reshape(-1, 1).cpu(), 0.0)
-    out = logits.clone()
-    out.index_copy_(0, index, only.to(logits.device))
-    return out
+    chosen = choice.tokens.to(logits.device)
+    if index is None:
+        logits.fill_(float("-inf")).scatter_(1, chosen.reshape(-1, 1), 0.0)
+    else:
+        logits.index_fill_(0, index, float("-inf"))
+        logits.index_put_((index, chosen), torch.zeros((), dtype=logits.dtype))
+    return logits
 
 
 def _takes_a_token(req: Any) -> bool:

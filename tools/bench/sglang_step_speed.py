@@ -1,0 +1,259 @@
+"""gen-sglang against SGLang's own ``/generate`` where a decode step is fast: what the layer adds.
+
+    .venv/bin/python tools/bench/sglang_step_speed.py [--model bench-step] [--batches 1,64]
+        [--pairs 5] [--new 16,128] [--prompt 8,96] [--timeout 300] [--json FILE]
+
+On a testkit model (``bench-step``, the default: the Llama of hidden 128 whose decode step over
+64 rows takes a GPU's order of time on two cores; ``bench-50m`` for the older, slow-step model),
+two SGLang servers from the same SGLang environment, side by side, both on 127.0.0.1 and a free
+port:
+
+- ``ours``: ``SglangGeneration.generate`` (the backend in this process, driving the server it
+  started: one streamed ``/generate`` for the call's rows, every sampled row chosen inside the
+  server by ``RowSampler``, gen-sglang's logit processor, from a generator seeded with the
+  row's seed, each token's logprob and weight version reported);
+- ``sglang``: a plain server started with the very arguments and environment gen-sglang starts
+  its own with (``gen_sglang.backend._server_args``), less ``--enable-custom-logit-processor``,
+  driven as SGLang's RL clients drive it (slime, AReaL): one non-streamed ``/generate`` whose
+  ``input_ids`` is the batch's list and whose ``sampling_params`` is a list of each row's
+  settings (SGLang's own sampler, temperature 1), ``return_logprob`` on (one logprob per token,
+  as ours reports). SGLang's ``sampling_seed`` is not sent: it honours it only in its
+  deterministic-inference mode, a GPU mode; ours draws from each row's seed.
+
+Workload, the same for both sides (fixed seed): ``batch`` prompts of random ids (``--prompt``
+lengths), each with its own ``max_new_tokens`` drawn uniformly from ``--new`` and its own seed,
+temperature 1, no stop token and EOS ignored (ours: ``stop_token_ids: []`` on a server that
+names no eos; SGLang: ``ignore_eos``), so every row runs to its length. Generated tokens are
+counted on both sides and must be equal (the script stops if not; each pair prints both). Both
+servers' prefix caches are flushed before every run. Each side answers one batch first
+(untimed); then ``--pairs`` interleaved pairs (SGLang, then ours) per batch size: the machine's
+drift falls on both sides alike. Reported per batch: the medians of generated tokens per wall
+second, the median of the pairs' ratios (ours / SGLang) with their spread (min-max), and at
+batch 1 the row's latency (seconds) each side. Every run is bounded: ``--timeout`` seconds, one
+batch of requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import torch
+from gen_interface import BatchedDataDict, create_generation_backend
+from gen_testkit.models import build_tiny_model
+
+Work = list[tuple[list[int], int, int]]  # per row: prompt, max_new_tokens, seed
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench-step", help="testkit preset")
+    parser.add_argument("--batches", "--batch", default="1,64", help="comma-separated sizes")
+    parser.add_argument("--pairs", type=int, default=5, help="interleaved pairs per figure")
+    parser.add_argument("--new", default="16,128", help="smallest,largest max_new_tokens")
+    parser.add_argument("--prompt", default="8,96", help="shortest,longest prompt")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every run's figures here")
+    return parser.parse_args()
+
+
+@dataclass
+class Figure:
+    """One (model, batch): every pair's seconds, and the tokens each run generated."""
+
+    model: str
+    batch: int
+    tokens: int = 0
+    sglang_seconds: list[float] = field(default_factory=list)
+    ours_seconds: list[float] = field(default_factory=list)
+
+    def ratios(self) -> list[float]:
+        """Per pair: ours tokens/s over SGLang's (SGLang's seconds / ours)."""
+        return [s / o for s, o in zip(self.sglang_seconds, self.ours_seconds)]
+
+    def row(self) -> str:
+        theirs = statistics.median(self.tokens / s for s in self.sglang_seconds)
+        ours = statistics.median(self.tokens / s for s in self.ours_seconds)
+        ratios = self.ratios()
+        latency = "-"
+        if self.batch == 1:
+            latency = (
+                f"{statistics.median(self.sglang_seconds):.3f} / "
+                f"{statistics.median(self.ours_seconds):.3f} s"
+            )
+        return (
+            f"| {self.model} | {self.batch} | {self.tokens} | {theirs:.0f} | {ours:.0f} "
+            f"| {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+            f"| {latency} |"
+        )
+
+
+def workload(args: argparse.Namespace, batch: int, vocab: int) -> Work:
+    rng = random.Random(args.seed)
+    low, high = (int(x) for x in args.new.split(","))
+    shortest, longest = (int(x) for x in args.prompt.split(","))
+    return [
+        (
+            [rng.randrange(3, vocab) for _ in range(rng.randint(shortest, longest))],
+            rng.randint(low, high),
+            1000 + i,
+        )
+        for i in range(batch)
+    ]
+
+
+class Ours:
+    """``SglangGeneration`` with one server, sampled rows, raw logprobs."""
+
+    def __init__(self, model: str, high: int):
+        self.backend: Any = create_generation_backend(
+            {
+                "backend": "sglang",
+                "model_name": model,
+                "max_new_tokens": high,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": None,
+                "stop_token_ids": [],
+                "pad_token_id": 0,
+                "seed": 0,
+                "dtype": "float32",
+                "logprobs_mode": "raw",
+            }
+        )
+
+    def run(self, work: Work) -> tuple[float, int]:
+        batch = _batch(work)
+        self.backend.invalidate_kv_cache()
+        start = time.perf_counter()
+        out = self.backend.generate(batch)
+        seconds = time.perf_counter() - start
+        return seconds, int(out["generation_lengths"].sum())
+
+
+class Plain:
+    """A plain SGLang server: gen-sglang's arguments and environment, no logit processor."""
+
+    def __init__(self, ours: Ours, timeout_s: float):
+        from gen_sglang.backend import _server_args
+        from gen_sglang.environment import managed_python, support_dir
+        from gen_sglang.server import SglangServer
+
+        backend = ours.backend
+        args = _server_args(backend.config, "float32", cpu=True, tokenizer=backend.has_tokenizer)
+        args.remove("--enable-custom-logit-processor")
+        env = {
+            "PYTHONPATH": ":".join(support_dir(cpu=True)),
+            "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+            "SGLANG_USE_CPU_ENGINE": "1",
+        }
+        model = str(backend.config["model_name"])
+        self.server = SglangServer(managed_python(), model, args, env, name="plain SGLang")
+        self.server.wait_ready(600)
+        self.client = httpx.Client(base_url=self.server.url, timeout=timeout_s)
+
+    def run(self, work: Work) -> tuple[float, int]:
+        body = {
+            "input_ids": [prompt for prompt, _, _ in work],
+            "sampling_params": [
+                {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+                for _, new, _ in work
+            ],
+            "return_logprob": True,
+        }
+        self.client.post("/flush_cache").raise_for_status()
+        start = time.perf_counter()
+        response = self.client.post("/generate", json=body)
+        seconds = time.perf_counter() - start
+        response.raise_for_status()
+        answers = response.json()
+        tokens = sum(len(a["output_ids"]) for a in answers)
+        logprobs = sum(len(a["meta_info"]["output_token_logprobs"]) for a in answers)
+        if logprobs != tokens:
+            raise RuntimeError("SGLang returned a logprob count unlike its token count")
+        return seconds, tokens
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+def _batch(work: Work) -> BatchedDataDict[Any]:
+    width = max(len(p) for p, _, _ in work)
+    ids = torch.zeros((len(work), width), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, _, _) in enumerate(work):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
+    return BatchedDataDict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=torch.tensor([new for _, new, _ in work]),
+        sample_seeds=torch.tensor([seed for _, _, seed in work]),
+    )
+
+
+def measure(args: argparse.Namespace) -> list[Figure]:
+    model = build_tiny_model(args.model)
+    high = int(args.new.split(",")[1])
+    print(f"{args.model}: starting gen-sglang and a plain SGLang server", flush=True)
+    ours = Ours(str(model.path), high)
+    figures = []
+    try:
+        plain = Plain(ours, args.timeout)
+        try:
+            for size in (int(b) for b in args.batches.split(",")):
+                work = workload(args, size, model.vocab_size)
+                figure = Figure(args.model, size)
+                plain.run(work)  # warm-up, each side
+                ours.run(work)
+                for pair in range(args.pairs):
+                    theirs_s, theirs_n = plain.run(work)
+                    ours_s, ours_n = ours.run(work)
+                    print(
+                        f"  batch {size}, pair {pair + 1}: SGLang {theirs_n} tokens in "
+                        f"{theirs_s:.3f} s ({theirs_n / theirs_s:.0f} tok/s), ours {ours_n} "
+                        f"tokens in {ours_s:.3f} s ({ours_n / ours_s:.0f} tok/s): "
+                        f"{theirs_s / ours_s:.3f}x",
+                        flush=True,
+                    )
+                    if theirs_n != ours_n or ours_n != sum(n for _, n, _ in work):
+                        raise RuntimeError(f"unequal work: SGLang {theirs_n}, ours {ours_n}")
+                    figure.tokens = ours_n
+                    figure.sglang_seconds.append(theirs_s)
+                    figure.ours_seconds.append(ours_s)
+                print(figure.row(), flush=True)
+                figures.append(figure)
+        finally:
+            plain.close()
+    finally:
+        ours.backend.shutdown()
+    return figures
+
+
+def main() -> list[Figure]:
+    args = parse_args()
+    figures = measure(args)
+    print()
+    print(
+        "| model | batch | tokens | SGLang tok/s | ours tok/s | ratio (spread) "
+        "| batch-1 latency SGLang / ours |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for figure in figures:
+        print(figure.row())
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([asdict(f) for f in figures], out, indent=1)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
