@@ -59,6 +59,7 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
             "async_engine": st.booleans(),
             "enable_return_routed_experts": st.booleans(),
             "max_logprobs": st.integers(0, 4096),
+            "weight_deltas": st.booleans(),
         },
     }
     valid[""]["vllm_cfg"] = st.fixed_dictionaries({}, optional=valid["vllm_cfg"])
