@@ -15,39 +15,19 @@ The same two variables steer gen-vllm's engines and the project's commands.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
+from gen_backend_kit import run_logs
+from gen_backend_kit.run_logs import LOG_FILE_ENV, VERBOSE_ENV, verbose
+
 __all__ = ["LOG_FILE_ENV", "VERBOSE_ENV", "Echo", "keep_log", "log_file", "verbose"]
-
-VERBOSE_ENV = "GEN_VERBOSE"
-LOG_FILE_ENV = "GEN_LOG_FILE"
-
-
-def verbose() -> bool:
-    """Whether server output should reach the terminal (``GEN_VERBOSE``)."""
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def log_file() -> Path:
     """``GEN_LOG_FILE``, or one picked now for this process (exported, announced once)."""
-    named = os.environ.get(LOG_FILE_ENV)
-    if named:
-        return Path(named)
-    directory = Path(tempfile.gettempdir()) / "gen-logs"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    os.environ[LOG_FILE_ENV] = str(path)
-    print(
-        f"gen-sglang: SGLang's server logs go to {path} ({VERBOSE_ENV}=1 shows them here)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return path
+    return run_logs.log_file(announce="gen-sglang: SGLang's server logs")
 
 
 def keep_log(name: str, server_log: Path) -> None:

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import TextIO
 
+from gen_backend_kit import run_logs
+from gen_backend_kit.run_logs import LOG_FILE_ENV, VERBOSE_ENV
+
 __all__ = ["LOG_FILE_ENV", "VERBOSE_ENV", "route_engine_logs", "verbose_requested"]
 
-VERBOSE_ENV = "GEN_VERBOSE"
-LOG_FILE_ENV = "GEN_LOG_FILE"
 
 #: Warnings about a library's own future, never about what the user asked for: to the file.
 _LIBRARY_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
@@ -27,7 +26,7 @@ _LIBRARY_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarnin
 
 def verbose_requested() -> bool:
     """Whether ``GEN_VERBOSE`` asks for engine output on the terminal."""
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return run_logs.verbose()
 
 
 def route_engine_logs(verbose: bool, name: str) -> Path | None:
@@ -42,13 +41,7 @@ def route_engine_logs(verbose: bool, name: str) -> Path | None:
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
         return None
-    named = os.environ.get(LOG_FILE_ENV)
-    if named:
-        path = Path(named)
-    else:
-        directory = Path(tempfile.gettempdir()) / "gen-logs"
-        path = directory / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        os.environ[LOG_FILE_ENV] = str(path)
+    path = run_logs.log_file(name=name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
     _quiet_transformers()

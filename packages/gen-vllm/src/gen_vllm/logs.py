@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from gen_backend_kit import run_logs
+from gen_backend_kit.run_logs import LOG_FILE_ENV, VERBOSE_ENV, verbose
 
 __all__ = [
     "LOG_FILE_ENV",
@@ -37,33 +38,11 @@ __all__ = [
     "worker_env",
 ]
 
-#: Set to 1 (or true, yes, on): engine and Ray output reach the terminal.
-VERBOSE_ENV = "GEN_VERBOSE"
-#: The file engine and Ray output is appended to when not verbose.
-LOG_FILE_ENV = "GEN_LOG_FILE"
-
-
-def verbose() -> bool:
-    """Whether engine and Ray output should reach the terminal (``GEN_VERBOSE``)."""
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
 
 def log_file() -> Path:
     """The file engine output goes to: ``GEN_LOG_FILE``, or one picked now for this process
     (exported as ``GEN_LOG_FILE`` and announced once on standard error)."""
-    named = os.environ.get(LOG_FILE_ENV)
-    if named:
-        return Path(named)
-    directory = Path(tempfile.gettempdir()) / "gen-logs"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    os.environ[LOG_FILE_ENV] = str(path)
-    print(
-        f"gen-vllm: vLLM's and Ray's logs go to {path} ({VERBOSE_ENV}=1 shows them here)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return path
+    return run_logs.log_file(announce="gen-vllm: vLLM's and Ray's logs")
 
 
 def worker_env() -> dict[str, str]:
