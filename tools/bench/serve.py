@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -48,6 +47,7 @@ from gen_testkit.servers import (
     gen_serve_command,
     vllm_serve_command,
 )
+from workloads import Work, random_requests
 
 _NAME = "bench"
 
@@ -93,22 +93,9 @@ class Run:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-Work = list[tuple[list[int], int, int]]  # per request: prompt, max_tokens, seed
-
-
 def workload(args: argparse.Namespace, vocab: int) -> Work:
     """The largest concurrency's requests; a smaller one runs the first of them."""
-    rng = random.Random(args.seed)
-    low, high = (int(x) for x in args.new.split(","))
-    shortest, longest = (int(x) for x in args.prompt.split(","))
-    return [
-        (
-            [rng.randrange(3, vocab) for _ in range(rng.randint(shortest, longest))],
-            rng.randint(low, high),
-            1000 + i,
-        )
-        for i in range(max(args.concurrency))
-    ]
+    return random_requests(max(args.concurrency), vocab, args.new, args.prompt, args.seed)
 
 
 async def one_request(

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,8 +46,7 @@ import httpx
 import torch
 from gen_interface import BatchedDataDict, create_generation_backend
 from gen_testkit.models import build_tiny_model
-
-Work = list[tuple[list[int], int, int]]  # per row: prompt, max_new_tokens, seed
+from workloads import Work, left_padded, random_requests
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,17 +94,7 @@ class Figure:
 
 
 def workload(args: argparse.Namespace, batch: int, vocab: int) -> Work:
-    rng = random.Random(args.seed)
-    low, high = (int(x) for x in args.new.split(","))
-    shortest, longest = (int(x) for x in args.prompt.split(","))
-    return [
-        (
-            [rng.randrange(3, vocab) for _ in range(rng.randint(shortest, longest))],
-            rng.randint(low, high),
-            1000 + i,
-        )
-        for i in range(batch)
-    ]
+    return random_requests(batch, vocab, args.new, args.prompt, args.seed)
 
 
 class Ours:
@@ -186,18 +174,10 @@ class Plain:
 
 
 def _batch(work: Work) -> BatchedDataDict[Any]:
-    width = max(len(p) for p, _, _ in work)
-    ids = torch.zeros((len(work), width), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, (prompt, _, _) in enumerate(work):
-        ids[i, width - len(prompt) :] = torch.tensor(prompt)
-        mask[i, width - len(prompt) :] = 1
-    return BatchedDataDict(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=torch.tensor([new for _, new, _ in work]),
-        sample_seeds=torch.tensor([seed for _, _, seed in work]),
-    )
+    batch = left_padded([prompt for prompt, _, _ in work])
+    batch["max_new_tokens"] = torch.tensor([new for _, new, _ in work])
+    batch["sample_seeds"] = torch.tensor([seed for _, _, seed in work])
+    return batch
 
 
 def measure(args: argparse.Namespace) -> list[Figure]:

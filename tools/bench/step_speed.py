@@ -44,9 +44,9 @@ from typing import Any, TypeVar
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
-import torch
 from gen_interface import BatchedDataDict
 from gen_testkit.models import build_tiny_model
+from workloads import left_padded
 
 T = TypeVar("T")
 
@@ -234,16 +234,6 @@ class Ours:
     def close(self) -> None:
         self.backend.shutdown()
         self.cluster.shutdown()
-
-
-def left_padded(prompts: list[list[int]]) -> BatchedDataDict[Any]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return BatchedDataDict(input_ids=ids, attention_mask=mask)
 
 
 def measure(model_name: str, args: argparse.Namespace) -> list[Figure]:
