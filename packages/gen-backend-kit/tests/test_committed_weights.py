@@ -143,3 +143,23 @@ def test_views_apply_to_tied_weights_once():
     assert torch.equal(shared, new)
     assert copy.rollback()
     assert not torch.equal(shared, new)
+
+
+def test_the_staged_tensors_of_the_first_update_of_an_empty_copy_are_what_it_wrote():
+    """Fails before ``staged_items``: a backend loaded ``items()`` at the commit, the last
+    commit's tensors, which for the first update of an empty owned copy are none, so its
+    engine kept the checkpoint while the update committed."""
+    specs = {"a": (torch.Size([2]), torch.float32), "b": (torch.Size([3]), torch.float32)}
+    copy = CommittedWeights.owning(specs)
+    copy.begin()
+    copy.write("b", torch.ones(3))
+    copy.write("a", torch.zeros(2))
+    assert list(copy.items()) == []  # nothing committed yet
+    staged = dict(copy.staged_items())
+    assert list(staged) == ["b", "a"] and torch.equal(staged["b"], torch.ones(3))
+    copy.commit(1)
+    copy.begin()
+    new_a = torch.full((2,), 2.0)
+    copy.apply("a", _delta(dict(copy.items())["a"].clone(), new_a, 1))
+    assert [name for name, _ in copy.staged_items()] == ["a"]  # a delta's tensor too
+    assert torch.equal(dict(copy.staged_items())["a"], new_a)

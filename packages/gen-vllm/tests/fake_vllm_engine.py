@@ -378,7 +378,7 @@ class FakeRank(UpdatableVllmInternalWorker):
         engine = self.weight_transfer_engine
         if engine.staged and engine.committed is not None:
             engine.staged = False
-            self.load(engine.committed.items())
+            self.load(engine.committed.staged_items())
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         endpoint = CollectiveEndpoint(**init_info["endpoint"])

@@ -82,3 +82,27 @@ def test_the_collective_path_sends_deltas_and_loads_what_a_whole_refit_loads(eng
         broadcaster.refit(weights)
     finally:
         broadcaster.close()
+
+
+def test_the_first_refit_staged_in_an_empty_copy_reaches_the_engine(own, tiny_qwen2):
+    """Fails before ``CommittedWeights.staged_items``: the commit loaded the copy's last
+    committed tensors, none for the first update, so the engine went on with the checkpoint
+    under the new version (hidden where the first refit sent the checkpoint's own weights)."""
+    from gen_interface.weights import refit
+
+    generator = torch.Generator().manual_seed(5)
+    moved = {
+        name: t + 0.3 * t.float().std() * torch.randn(t.shape, generator=generator)
+        for name, t in tiny_qwen2.state_dict().items()
+    }
+    batch = pad_prompts(PROMPTS, "left")
+    staged = own.backend(own.cluster([1]), tiny_qwen2, weight_deltas=True, name_prefix="staged")
+    plain = own.backend(own.cluster([1]), tiny_qwen2, name_prefix="plain")
+    before = staged.generate(batch, greedy=True)
+    refit(staged, moved)
+    refit(plain, moved)
+    after = staged.generate(batch, greedy=True)
+    assert not torch.equal(after["logprobs"], before["logprobs"])
+    expected = plain.generate(batch, greedy=True)
+    assert torch.equal(after["output_ids"], expected["output_ids"])
+    assert torch.equal(after["logprobs"], expected["logprobs"])

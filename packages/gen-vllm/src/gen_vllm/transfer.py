@@ -130,7 +130,7 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
             self.staged = False
             try:
                 initialize_layerwise_reload(self.model)
-                cast(Any, self.model).load_weights(self.committed.items())
+                cast(Any, self.model).load_weights(self.committed.staged_items())
                 finalize_layerwise_reload(self.model, self.model_config)
             except Exception as exc:  # the engine's weights are now unknown: not a refusal
                 raise RuntimeError(

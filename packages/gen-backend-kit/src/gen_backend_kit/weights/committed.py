@@ -114,6 +114,13 @@ class CommittedWeights:
         for name in self._names:
             yield name, self._tensors[name]
 
+    def staged_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors the update in progress wrote (whole or by a delta), by name, in the order
+        written: what a backend that stages updates here loads into its engine at the commit.
+        (``items()`` is the last commit's: for the first update of an empty copy, nothing.)"""
+        for name in dict.fromkeys(self._written):
+            yield name, self._tensors[name]
+
     # ---- an update ------------------------------------------------------------------------
 
     def begin(self) -> None:
