@@ -196,10 +196,12 @@ class Fleet:
                     continue
                 version = self.version
                 shared = None if self._checkpoint_current else self._share_copy(version)
+            source = "its checkpoint"
             if shared is None:
                 report = self._get(actor.weight_report.remote(), "a weight report")
             else:
                 peer, handles = shared
+                source = f"replica {peer}'s copy of version {version}"
                 try:
                     report = self._load(actor, handles, version)
                 finally:
@@ -207,7 +209,7 @@ class Fleet:
             with self._lock:
                 if self.replicas.pinned is not None or self.version != version:
                     continue  # an update came between: load its result
-                self._verify(replica, report)
+                self._verify(replica, report, source)
                 self.replicas.install(replica, actor, info)
                 self._starting.pop(replica, None)
                 self.health.admit(replica, version)
@@ -258,7 +260,7 @@ class Fleet:
         self._get(actor.end_weight_update.remote(version, False), "a replacement's weight load")
         return reports
 
-    def _verify(self, replica: int, report: list[UpdateReport]) -> None:
+    def _verify(self, replica: int, report: list[UpdateReport], source: str) -> None:
         members = self.replicas.member_ids()
         if not members or self._absent:
             return  # nothing to compare with: it holds the checkpoint, as the fleet did
@@ -268,8 +270,9 @@ class Fleet:
         why = weights_differ(reference, report)
         if why is not None:
             raise MixedWeightsError(
-                f"the replacement of replica {replica} does not hold the fleet's weights "
-                f"(version {self.version}): {why}; evicted"
+                f"the replacement of replica {replica}, loaded from {source}, does not hold "
+                f"the weights replica {members[0]} serves (version {self.version}): {why}; "
+                "evicted"
             )
 
     def _wait_for_no_update(self) -> None:

@@ -107,7 +107,10 @@ def weights_differ(
         return f"{len(candidate)} ranks where the fleet's replicas have {len(reference)}"
     for rank, (ours, theirs) in enumerate(zip(reference, candidate)):
         if ours["model_checksum"] != theirs["model_checksum"]:
-            return f"tensor-parallel rank {rank} holds other parameters than the fleet's"
+            return (
+                f"tensor-parallel rank {rank} holds other parameters than the fleet's "
+                f"(checksum {theirs['model_checksum']:#x}, the fleet's {ours['model_checksum']:#x})"
+            )
         same_kernel = ours["kernel"] == theirs["kernel"]
         if same_kernel and ours["packed_checksum"] != theirs["packed_checksum"]:
             return f"tensor-parallel rank {rank}'s packed layers compute other results"
