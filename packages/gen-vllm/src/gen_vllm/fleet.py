@@ -98,8 +98,9 @@ class Fleet:
 
     def lost(self, replica: int, why: str) -> None:
         """``replica`` is lost (the router's ``on_lost``, on the driver's loop): dead, killed,
-        and replaced if restarts are left."""
-        if not self.health.kill(replica, why):
+        and replaced if restarts are left. Nothing once the backend shuts down (its streams end
+        then)."""
+        if self._closed.is_set() or not self.health.kill(replica, why):
             return
         self.faults += 1
         self._lost_at[replica] = time.monotonic()

@@ -207,7 +207,8 @@ class ReplicaSet:
 
     def kill(self, replica: int) -> None:
         """Kill ``replica``'s actor now (it died, wedged or was evicted): never left half-alive."""
-        kill_actor(self.actors[replica])
+        if replica < len(self.actors):  # none left after shutdown
+            kill_actor(self.actors[replica])
 
     def member_ids(self) -> list[int]:
         """The replicas that calls to "every replica" reach now, in order."""
