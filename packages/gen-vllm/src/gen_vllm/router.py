@@ -227,17 +227,19 @@ class RowRouter:
                 self._fail_rows(replica, [r.request_id for r in batch], lost)
                 continue
             added = self._replicas.add_rows(replica, batch)
-            task = asyncio.ensure_future(self._added(replica, added, batch))
+            task = asyncio.ensure_future(self._added(replica, added, batch, self._actor(replica)))
             task.add_done_callback(_log_unexpected)
 
-    async def _added(self, replica: int, ref: Any, batch: list[RowRequest]) -> None:
+    async def _added(self, replica: int, ref: Any, batch: list[RowRequest], actor: Any) -> None:
         """Fail the rows of a batch the replica refused (its engine failed, it died)."""
         try:
             await ref
         except Exception as exc:
             error = translate_ray_error(exc, "generate")
             if self._health is not None and isinstance(error, (WorkerLostError, EngineFailedError)):
-                self._lose(replica, error)
+                now = self._actor(replica)
+                if now is None or now is actor:  # not a replacement admitted since
+                    self._lose(replica, error)
                 return
             self._fail_rows(replica, [r.request_id for r in batch], error)
 
@@ -269,15 +271,24 @@ class RowRouter:
             self._readers[replica] = asyncio.ensure_future(self._read_stream(replica))
 
     async def _read_stream(self, replica: int) -> None:
+        actor = self._actor(replica)
         try:
             async for ref in self._replicas.outputs(replica):
                 self._deliver(replica, await ref)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._lose(replica, translate_ray_error(exc, "generate"))
+            error = translate_ray_error(exc, "generate")
         else:
-            self._lose(replica, GenerationError("a vLLM worker shut down while rows ran on it"))
+            error = GenerationError("a vLLM worker shut down while rows ran on it")
+        now = self._actor(replica)
+        if now is None or now is actor:  # a replacement admitted since has its own stream
+            self._lose(replica, error)
+
+    def _actor(self, replica: int) -> Any:
+        """The actor serving as ``replica`` now (None where the replicas have no actors)."""
+        actors = getattr(self._replicas, "actors", None)
+        return actors[replica] if actors is not None and replica < len(actors) else None
 
     def _deliver(self, replica: int, batch: StepBatch) -> None:
         """Hand each call its part of one message: one hand-over per caller's loop."""
