@@ -430,9 +430,16 @@ class RowRouter:
         assert self._health is not None
         health = self._health
         loop = asyncio.get_running_loop()
+        period = min(1.0, self._wedge_s / 4)
+        last = loop.time()
         while True:
-            await asyncio.sleep(min(1.0, self._wedge_s / 4))
+            await asyncio.sleep(period)
             now = loop.time()
+            if now - last > 2 * period + 1.0:
+                # this process was not scheduled for a while (stopped, suspended): what the
+                # replicas sent meanwhile is unread, so no silence of theirs can be told apart
+                self._progress = [now] * len(self._progress)
+            last = now
             for replica in range(len(self.rows)):
                 if not self._takes_rows(replica):
                     continue
