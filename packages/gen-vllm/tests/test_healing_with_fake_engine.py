@@ -22,7 +22,7 @@ from gen_testkit.strategies import pad_prompts, score_batch
 
 #: Rows long enough that a fault lands while they run: 12 rows of 48 sampled tokens.
 PROMPTS = [[5 + i, 17, 42 + i, 8] for i in range(12)]
-SETTLE_S = 90  # a replacement's start on two busy cores
+SETTLE_S = 240  # a replacement's start on two busy cores (more when the machine pauses us)
 
 
 def _alive(pid: int) -> bool:
