@@ -23,7 +23,9 @@ so outputs change with the weights exactly as a real engine's would.
 Faults for failure tests: ``hang_in`` (method names that never return); ``arm_corrupt_load``
 (the next engine to load an update keeps one rank's shard wrong, a plain or the packed one);
 ``set_fault(log_dir, "rows")`` (every step ends its requests with vLLM's ``"error"`` finish
-reason) and ``set_fault(log_dir, "step")`` (every step raises, as a failing kernel would);
+reason), ``set_fault(log_dir, "step")`` (every step raises, as a failing kernel would) and
+``set_fault(log_dir, "wedge", pid=...)`` (that engine stops stepping, alive and silent, as a
+wedged one does, until the fault is off);
 ``batch_variant`` (each request's logits shift in the last bits with the number of requests
 running beside it, as GPU kernels' results shift with batch shape).
 """
@@ -86,9 +88,12 @@ def arm_corrupt_load(log_dir: str | os.PathLike[str], *, packed: bool = False) -
     (Path(log_dir) / _ARMED).write_text("packed" if packed else "plain")
 
 
-def set_fault(log_dir: str | os.PathLike[str], fault: str, on: bool = True) -> None:
-    """Turn a fault of every engine logging to ``log_dir`` on or off: ``"rows"`` or ``"step"``."""
-    flag = Path(log_dir) / f"fault.{fault}"
+def set_fault(
+    log_dir: str | os.PathLike[str], fault: str, on: bool = True, pid: int | None = None
+) -> None:
+    """Turn a fault of every engine logging to ``log_dir`` (or of the one in process ``pid``)
+    on or off: ``"rows"``, ``"step"`` or ``"wedge"``."""
+    flag = Path(log_dir) / (f"fault.{fault}" if pid is None else f"fault.{fault}.{pid}")
     if on:
         flag.touch()
     else:
@@ -165,6 +170,8 @@ class FakeEngine:
         if self.paused or not self._requests:
             return []
         self._check_mapped("step")
+        while self._fault("wedge"):  # alive, silent, holding its rows
+            time.sleep(0.05)
         if self._fault("step"):
             raise RuntimeError("a kernel failed (the fake engine's step fault is set)")
         model = self._current_model()
@@ -268,7 +275,10 @@ class FakeEngine:
         return self._model
 
     def _fault(self, name: str) -> bool:
-        return (Path(self._factory.log_dir) / f"fault.{name}").exists()
+        log_dir = Path(self._factory.log_dir)
+        return (log_dir / f"fault.{name}").exists() or (
+            log_dir / f"fault.{name}.{os.getpid()}"
+        ).exists()
 
     def _check_mapped(self, what: str) -> None:
         if not self.kv_mapped or not all(rank.weights_mapped for rank in self.ranks):

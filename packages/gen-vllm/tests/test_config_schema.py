@@ -60,6 +60,10 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
             "enable_return_routed_experts": st.booleans(),
             "max_logprobs": st.integers(0, 4096),
             "weight_deltas": st.booleans(),
+            "healing": st.booleans(),
+            "max_replica_restarts": st.integers(0, 10**4),
+            "wedge_timeout_s": TIMEOUT,
+            "refit_deadline_s": TIMEOUT,
         },
     }
     valid[""]["vllm_cfg"] = st.fixed_dictionaries({}, optional=valid["vllm_cfg"])
@@ -73,6 +77,28 @@ class TestVllmConfigSchema(ConfigSchemaChecks):
 
     def complete(self, config: dict[str, Any]) -> Any:
         return engine_args(config)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("wedge_timeout_s", 0, "vllm_cfg.wedge_timeout_s must be a number > 0, got 0"),
+        ("wedge_timeout_s", -5.0, "vllm_cfg.wedge_timeout_s must be a number > 0"),
+        ("refit_deadline_s", 0.0, "vllm_cfg.refit_deadline_s must be a number > 0"),
+        ("max_replica_restarts", -1, "vllm_cfg.max_replica_restarts must be an integer >= 0"),
+        ("max_replica_restarts", 2.5, "vllm_cfg.max_replica_restarts` must be an integer"),
+        ("healing", "yes", "vllm_cfg.healing"),
+    ],
+)
+def test_bad_healing_settings_are_refused_with_their_path(key, value, message):
+    with pytest.raises(GenerationConfigError, match=message):
+        engine_args(dict(BASE, vllm_cfg={key: value}))
+
+
+def test_healing_is_the_default_and_its_bounds_have_defaults():
+    cfg = complete_vllm_config(configure_generation_config(dict(BASE), None))["vllm_cfg"]
+    assert cfg["healing"] is True and cfg["max_replica_restarts"] == 16
+    assert 10 <= cfg["wedge_timeout_s"] <= 60 and cfg["refit_deadline_s"] == 300.0
 
 
 def test_the_backend_declares_its_schema_to_configure_generation_config():

@@ -50,8 +50,9 @@ def test_rows_vllm_ends_for_an_error_fail_the_call_and_the_engine_goes_on(own, t
 
 def test_a_failed_engine_step_breaks_the_backend_and_every_call_says_so(own, tiny_qwen2):
     """Fails on the main before the shared base: the replica refused every row while the
-    backend still reported itself ready."""
-    backend = own.backend(own.cluster([1]), tiny_qwen2)
+    backend still reported itself ready. Fail-stop, as chosen (a healing fleet replaces the
+    replica instead: test_healing_with_fake_engine.py)."""
+    backend = own.backend(own.cluster([1]), tiny_qwen2, healing=False)
     set_fault(own.log_dir, "step")
     with pytest.raises(EngineFailedError, match=r"kernel failed.*broken"):
         _greedy(backend)

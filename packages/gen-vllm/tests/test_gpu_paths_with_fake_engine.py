@@ -203,7 +203,9 @@ def test_a_hung_sleep_times_out_and_breaks_the_backend(own, tiny_qwen2):
 
 def test_a_hung_update_times_out_and_breaks_the_backend(own, tiny_qwen2, new_weights):
     hang = {"hang_in": frozenset({"update"})}
-    backend = own.backend(own.cluster([1]), tiny_qwen2, faults=hang, update_timeout_s=2.0)
+    backend = own.backend(
+        own.cluster([1]), tiny_qwen2, faults=hang, update_timeout_s=2.0, healing=False
+    )
     with (
         share_weights(new_weights) as handles,
         pytest.raises(WeightUpdateError, match=r"within 2 s.*broken"),
@@ -244,7 +246,9 @@ def test_a_worker_killed_mid_read_leaves_no_segment(own, tiny_qwen2, new_weights
 
     earlier = segments_of(os.getpid())
     hang = {"hang_in": frozenset({"update"})}
-    backend = own.backend(own.cluster([1]), tiny_qwen2, faults=hang, update_timeout_s=120.0)
+    backend = own.backend(
+        own.cluster([1]), tiny_qwen2, faults=hang, update_timeout_s=120.0, healing=False
+    )
     worker = backend.replicas.infos[0]["pid"]
     refitter = Refitter(backend, bucket_bytes=200_000)
     shared = share_weights(new_weights)  # never closed either
@@ -282,7 +286,7 @@ def test_a_worker_killed_mid_transaction_breaks_the_backend(own, tiny_qwen2, new
     import os
     import signal
 
-    backend = own.backend(own.cluster([2]), tiny_qwen2)
+    backend = own.backend(own.cluster([2]), tiny_qwen2, healing=False)  # fail-stop, as chosen
     real_update = backend.update_weights_from_ipc_handles
     loads = []
 

@@ -23,8 +23,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def own_backend(ray_session, tiny_qwen2):
-    """A backend of its own: these tests kill it."""
+def own_backend(request, ray_session, tiny_qwen2):
+    """A backend of its own: these tests kill it. ``vllm_cfg`` extras come as the fixture's
+    param."""
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
     cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1)
@@ -34,7 +35,7 @@ def own_backend(ray_session, tiny_qwen2):
         vocab_size=tiny_qwen2.vocab_size,
         max_new_tokens=200,
         stop_token_ids=[],
-        vllm_cfg={"cpu_kv_cache_gib": 0.25},
+        vllm_cfg={"cpu_kv_cache_gib": 0.25, **getattr(request, "param", {})},
     )
     backend = VllmGeneration(cluster, config)
     yield backend
@@ -42,6 +43,7 @@ def own_backend(ray_session, tiny_qwen2):
     cluster.shutdown()
 
 
+@pytest.mark.parametrize("own_backend", [{"healing": False}], indirect=True)  # fail-stop, chosen
 def test_a_dead_worker_fails_generate_within_seconds_and_shutdown_leaves_nothing(own_backend):
     pid = own_backend.replicas.infos[0]["pid"]
     assert _alive(pid)

@@ -1,16 +1,19 @@
 """The token path without engines: ``StepFeed`` hands the driver every step's output once, in
 order, one message per take; the router hands each call its own rows' tokens and results from
-the replicas' streams, a row's tokens before its result, and fails a call whose replica dies."""
+the replicas' streams, a row's tokens before its result, and fails a call whose replica dies
+(fail-stop) or moves its rows (healing)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from fake_replicas import FakeReplicas
-from gen_interface import GenerationError
-from gen_vllm.messages import RowFailure, RowOutput, RowRequest, TokenDelta
+from gen_backend_kit.fleet_health import FleetHealth
+from gen_interface import GenerationError, NoReplicaServingError, RowLostError
+from gen_vllm.messages import RowFailure, RowOutput, RowRequest, StepBatch, TokenDelta
 from gen_vllm.router import RowRouter
 from gen_vllm.step_feed import StepFeed
 
@@ -146,3 +149,142 @@ def test_a_call_on_another_threads_loop_gets_its_items_from_the_drivers_loop():
         driver.close(timeout_s=1)
     assert got == [[(0, "TokenDelta"), (1, "TokenDelta")], [(0, "RowOutput"), (1, "RowOutput")]]
     assert router.rows == [0]
+
+
+def test_an_engine_that_steps_without_output_sends_a_heartbeat_a_second():
+    """A wedged engine sends nothing; one that steps on rows that report only at their end
+    sends the step count at least every ``HEARTBEAT_S``, so the driver can tell them apart."""
+    from gen_vllm.step_feed import HEARTBEAT_S
+
+    feed = StepFeed()
+
+    async def read() -> tuple[StepBatch | None, float]:
+        started = time.monotonic()
+        take = asyncio.ensure_future(feed.take())
+        while not take.done():
+            feed.push(step_seconds=0.01)  # a step that finished no row and streams nothing
+            await asyncio.sleep(0.05)
+        return take.result(), time.monotonic() - started
+
+    batch, waited = asyncio.run(read())
+    assert batch is not None and not batch and batch.steps >= 10
+    assert HEARTBEAT_S * 0.9 <= waited < HEARTBEAT_S + 1.0
+    feed.close()
+
+
+def _healing_router(replicas: FakeReplicas, wedge_timeout_s: float = 30.0):
+    health = FleetHealth(len(replicas), max_restarts=0)
+    lost: list[tuple[int, str]] = []
+
+    def on_lost(replica: int, why: str) -> None:
+        lost.append((replica, why))
+        health.kill(replica, why)
+
+    router = RowRouter(
+        replicas,  # type: ignore[arg-type]
+        capacity=8,
+        health=health,
+        on_lost=on_lost,
+        wedge_timeout_s=wedge_timeout_s,
+    )
+    return router, health, lost
+
+
+def test_healing_the_rows_of_a_replica_that_dies_run_again_elsewhere():
+    replicas = FakeReplicas(2)
+    router, health, lost = _healing_router(replicas)
+
+    async def call() -> list[int]:
+        done: list[int] = []
+
+        async def drain() -> None:
+            async for batch in router.run(
+                _requests("h", 4, stream=False), [4] * 4, 5.0, asyncio.get_running_loop()
+            ):
+                done.extend(i for i, step in batch.items if isinstance(step, RowOutput))
+
+        task = asyncio.ensure_future(drain())
+        while sum(len(r) for r in replicas.running) < 4:
+            await asyncio.sleep(0.01)
+        on_one = sorted(replicas.running[1])
+        replicas.die(1)
+        while len(replicas.running[0]) < 4:  # replica 1's rows arrive on replica 0
+            await asyncio.sleep(0.01)
+        assert set(on_one) <= set(replicas.running[0])
+        replicas.emit(0, finished=sorted(replicas.running[0]))
+        await task
+        return done
+
+    assert sorted(asyncio.run(call())) == [0, 1, 2, 3]
+    assert [r for r, _ in lost] == [1] and health.serving() == [0]
+    assert router.rows_rerun == 2 and router.rows == [0, 0]
+
+
+def test_healing_a_row_that_streamed_tokens_ends_its_call_with_row_lost_error():
+    replicas = FakeReplicas(2)
+    router, _, _ = _healing_router(replicas)
+
+    async def call() -> None:
+        async def drain() -> None:
+            async for _ in router.run(
+                _requests("s", 2, stream=True), [4, 4], 5.0, asyncio.get_running_loop()
+            ):
+                pass
+
+        task = asyncio.ensure_future(drain())
+        while sum(len(r) for r in replicas.running) < 2:
+            await asyncio.sleep(0.01)
+        streamed = next(iter(replicas.running[1]))
+        replicas.emit(1, tokens={streamed: [4]})
+        await asyncio.sleep(0.05)
+        replicas.die(1)
+        with pytest.raises(RowLostError, match=r"row\(s\) \[\d\] had already streamed") as caught:
+            await task
+        assert caught.value.rows == (int(streamed.split("-")[1]),)
+
+    asyncio.run(call())
+    assert router.rows_lost == 1
+
+
+def test_healing_with_no_replica_left_calls_fail_at_once():
+    replicas = FakeReplicas(1)
+    router, _, _ = _healing_router(replicas)
+
+    async def call() -> float:
+        task = asyncio.ensure_future(_drain(router))
+        while not replicas.running[0]:
+            await asyncio.sleep(0.01)
+        replicas.die(0)
+        with pytest.raises(NoReplicaServingError, match="no replica of the fleet serves"):
+            await task
+        started = time.monotonic()
+        with pytest.raises(NoReplicaServingError):
+            await _drain(router)  # a new call: refused, not queued
+        return time.monotonic() - started
+
+    assert asyncio.run(call()) < 1.0
+
+
+def test_healing_a_replica_that_holds_rows_and_sends_nothing_is_lost_within_the_bound():
+    replicas = FakeReplicas(2)
+    router, health, lost = _healing_router(replicas, wedge_timeout_s=0.4)
+
+    async def call() -> float:
+        task = asyncio.ensure_future(_drain(router))
+        while sum(len(r) for r in replicas.running) < 2:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        replicas.emit(0, finished=sorted(replicas.running[0]))  # replica 1 stays silent
+        while not lost:
+            await asyncio.sleep(0.01)
+        detected = time.monotonic() - started
+        while not replicas.running[0]:
+            await asyncio.sleep(0.01)
+        replicas.emit(0, finished=sorted(replicas.running[0]))
+        await task
+        return detected
+
+    detected = asyncio.run(call())
+    assert 0.3 <= detected < 0.4 + 0.5  # the bound, give or take the checks' period
+    assert lost[0][0] == 1 and "wedged" in lost[0][1]
+    assert health.serving() == [0]

@@ -14,6 +14,7 @@ name. The guide to writing a backend is this package's README.
 from importlib.metadata import PackageNotFoundError, version
 
 from gen_backend_kit.backend import GenerationBackend
+from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
 from gen_backend_kit.in_process import InProcessBackend
 from gen_backend_kit.inputs import PromptBatch, normalize_generation_input
 from gen_backend_kit.lifecycle import Lifecycle, LifecycleView, Resource
@@ -36,6 +37,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "BatchSampling",
     "FinishReason",
+    "FleetHealth",
     "GenerationBackend",
     "GenerationCall",
     "GenerationMetrics",
@@ -43,6 +45,7 @@ __all__ = [
     "Lifecycle",
     "LifecycleView",
     "PromptBatch",
+    "ReplicaState",
     "Resource",
     "RowControl",
     "RowResult",

@@ -14,6 +14,8 @@ __all__ = [
     "GenerationError",
     "GenerationInputError",
     "MixedWeightsError",
+    "NoReplicaServingError",
+    "RowLostError",
     "StaleWeightsError",
     "WeightBaseError",
     "WeightUpdateError",
@@ -63,6 +65,32 @@ class BackendBrokenError(GenerationError):
 class MixedWeightsError(WeightUpdateError, BackendBrokenError):
     """After an update, workers or replicas hold different weights, or some took it and
     others did not: the backend is broken (its rows could come from either)."""
+
+
+class RowLostError(GenerationError):
+    """Rows that had already streamed tokens to the caller were on a replica that died or
+    wedged. Their tokens so far stand (nothing delivered is ever taken back), but the rest of
+    them cannot be produced elsewhere without contradicting them, so the call ends here.
+    Retryable: the backend is usable; run those rows again (the same seed gives the same
+    tokens on the same weights). Rows that had streamed nothing were re-run silently.
+
+    Attributes:
+        rows: the indices, in the call, of the rows lost.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, rows: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.rows = rows
+
+
+class NoReplicaServingError(GenerationError):
+    """No replica of the backend's fleet serves now: every one died or wedged, and
+    replacements (if any are left to start) are not ready. Nothing is broken for good: retry
+    after a while, or shut the backend down and build a new one."""
+
+    retryable = True
 
 
 class WeightsAbsentError(GenerationError):

@@ -45,6 +45,14 @@ class VllmSpecificArgs(TypedDict, total=False):
     # keep the last committed weights readable in every worker (one copy of the model, in host
     # memory) and take weight updates as deltas against them (False: every tensor comes whole)
     weight_deltas: bool
+    # a replica that dies or wedges costs its rows a re-run on the others and is replaced in the
+    # background (False: any lost worker breaks the whole backend, as before) (True)
+    healing: bool
+    max_replica_restarts: int  # replacements the fleet may start over its life; then smaller (16)
+    wedge_timeout_s: float  # a replica holding rows with no progress this long is dead (30)
+    # the most a replacement's weight load, or any replica's part of a refit, may take while
+    # healing; a replica past it is evicted rather than holding the refit (300)
+    refit_deadline_s: float
     # NeMo RL's names, translated by complete_vllm_config and then dropped:
     precision: str  # the top-level `dtype` ("bfloat16", "float16", "float32")
     skip_tokenizer_init: bool  # not `load_tokenizer`
@@ -76,6 +84,10 @@ VLLM_CFG_DEFAULTS: VllmSpecificArgs = {
     "update_timeout_s": 900.0,
     "control_timeout_s": 300.0,
     "weight_deltas": False,
+    "healing": True,
+    "max_replica_restarts": 16,
+    "wedge_timeout_s": 30.0,
+    "refit_deadline_s": 300.0,
 }
 
 #: ``vllm_cfg`` keys of NeMo RL's that are translated to this project's names.
@@ -119,8 +131,17 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
         check_int_setting(cfg, "vllm_cfg", "cpu_threads")
     _fraction(cfg, "gpu_memory_utilization")
     _positive_number(cfg, "cpu_kv_cache_gib")
-    for key in ("startup_timeout_s", "generate_timeout_s", "update_timeout_s", "control_timeout_s"):
+    for key in (
+        "startup_timeout_s",
+        "generate_timeout_s",
+        "update_timeout_s",
+        "control_timeout_s",
+        "wedge_timeout_s",
+        "refit_deadline_s",
+    ):
         _positive_number(cfg, key)
+    check_int_setting(cfg, "vllm_cfg", "max_replica_restarts", minimum=0)
+
     if cfg["weight_deltas"] and out.get("lora"):
         raise GenerationConfigError(
             "`vllm_cfg.weight_deltas` with `lora`: an adapter refit is already small and is "

@@ -40,6 +40,7 @@ class UpdatableVllmInternalWorker:
     model_config: Any
     rank: int
     weight_transfer_engine: Any
+    _gen_shared_copy: Any = None  # the buckets share_committed_weights made, until released
 
     def report_device_id(self) -> str:
         """The GPU's UUID on CUDA (stable across processes); ``cpu:<host>:<pid>`` on CPU."""
@@ -88,6 +89,28 @@ class UpdatableVllmInternalWorker:
         committed = getattr(self.weight_transfer_engine, "committed", None)
         if committed is not None:
             committed.commit(version)
+
+    def share_committed_weights(self) -> tuple[int | None, dict[str, Any]] | None:
+        """Rank 0: the copy's version and its weights in shared-memory buckets (with their
+        checksums), for a replacement replica to load through the same transport as a refit;
+        other ranks, or without a copy: None. The buckets are this rank's until
+        ``release_committed_weights`` (a replacement's read releases each one it read). Call
+        only while no update is open: the copy stages updates in place."""
+        committed = getattr(self.weight_transfer_engine, "committed", None)
+        if committed is None or committed.version is None or int(self.rank) != 0:
+            return None
+        from gen_interface.weights.producer import share_weights
+
+        self.release_committed_weights()
+        shared = self._gen_shared_copy = share_weights(committed.items())
+        return committed.version, dict(shared.handles)
+
+    def release_committed_weights(self) -> None:
+        """Free the buckets ``share_committed_weights`` made, if any are left."""
+        shared = getattr(self, "_gen_shared_copy", None)
+        if shared is not None:
+            shared.close()
+            self._gen_shared_copy = None
 
     def capture_routed_experts(self, native: bool = False) -> list[int] | str:
         """Start reading every forward's MoE routing (``gen_vllm.routing``), or with

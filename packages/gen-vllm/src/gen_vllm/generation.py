@@ -15,6 +15,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 from gen_backend_kit import GenerationBackend, GenerationCall, RowResult
+from gen_backend_kit.fleet_health import FleetHealth
 from gen_backend_kit.lifecycle import DUMMY_WEIGHTS, Resource, close_all
 from gen_backend_kit.lora import adapter_specs, lora_settings
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow
@@ -30,6 +31,7 @@ from gen_interface import (
     GenerationConfigError,
     GenerationError,
     InFlight,
+    NoReplicaServingError,
     RowEvent,
 )
 from gen_interface.schema import ForeignKeys
@@ -42,10 +44,11 @@ from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
 from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for, engine_env, routing_mode
+from gen_vllm.fleet import Fleet
 from gen_vllm.messages import RowOutput, RowRequest, ScoredTokens, TokenDelta
 from gen_vllm.params import row_sampling_params
 from gen_vllm.receive import LoadInfo
-from gen_vllm.replicas import ReplicaSet, Timeouts
+from gen_vllm.replicas import ReplicaSet, Timeouts, WorkerLostError
 from gen_vllm.router import RowItem, RowRouter
 from gen_vllm.routing import read_routing
 from gen_vllm.update_steps import ReplicaUpdateSteps
@@ -105,6 +108,9 @@ class VllmGeneration(GenerationBackend):
         cluster.engine_groups(tp)  # refuses layouts where an engine would span nodes
         engine_args = engine_args_for(config, use_gpus=cluster.use_gpus)
         self._sleeps = bool(engine_args["enable_sleep_mode"])
+        healing = bool(cfg["healing"])
+        # healing: a replica's part of a refit is bounded by the refit deadline, then evicted
+        update_s = min(cfg["update_timeout_s"], cfg["refit_deadline_s"]) if healing else None
         self.replicas = ReplicaSet.start(
             cluster,
             config["model_name"],
@@ -114,7 +120,7 @@ class VllmGeneration(GenerationBackend):
             timeouts=Timeouts(
                 startup_s=cfg["startup_timeout_s"],
                 generate_s=cfg["generate_timeout_s"],
-                update_s=cfg["update_timeout_s"],
+                update_s=update_s or cfg["update_timeout_s"],
                 control_s=cfg["control_timeout_s"],
             ),
             engine_factory=engine_factory,
@@ -136,10 +142,29 @@ class VllmGeneration(GenerationBackend):
         # with the copy, every update is staged in it until the commit (staging.py)
         staged = checkpoint if cfg["weight_deltas"] else adapter
         self._loop = BackgroundLoop()
-        self._router = RowRouter(self.replicas, capacity=cfg["max_num_seqs"])
+        #: The healing fleet (``vllm_cfg.healing``); None when fail-stop.
+        self.fleet: Fleet | None = None
+        if healing:
+            self.fleet = Fleet(
+                self.replicas,
+                FleetHealth(len(self.replicas), max_restarts=cfg["max_replica_restarts"]),
+                loop=self._loop.loop,
+                refit_deadline_s=cfg["refit_deadline_s"],
+                prepare=self._prepare_replacement,
+                weights_absent=cfg["load_format"] == "dummy",
+            )
+        self._router = RowRouter(
+            self.replicas,
+            capacity=cfg["max_num_seqs"],
+            health=None if self.fleet is None else self.fleet.health,
+            on_lost=None if self.fleet is None else self.fleet.lost,
+            wedge_timeout_s=cfg["wedge_timeout_s"],
+        )
+        if self.fleet is not None:
+            self.fleet.router = self._router
         self._delivery = DeliveryTimes()
         self._calls = itertools.count()
-        self._updates = ReplicaUpdateSteps(self.replicas)
+        self._updates = ReplicaUpdateSteps(self.replicas, self.fleet)
         self._trust_remote_code = bool(engine_args.get("trust_remote_code", False))
         self._codec: TextCodec | None = None
         super().__init__(
@@ -172,6 +197,24 @@ class VllmGeneration(GenerationBackend):
             self.replicas.shutdown()
             raise GenerationConfigError(f"lora: {exc}") from exc
         return specs
+
+    def _prepare_replacement(self, actor: Any) -> None:
+        """Set a replacement actor up as its peers were at start: the copy of the committed
+        weights, the routing capture.
+
+        Raises:
+            GenerationError: it cannot be (a LoRA adapter is served: not supported).
+        """
+        import ray
+
+        if self.config.get("lora"):
+            raise GenerationError("a replica that serves a LoRA adapter cannot be replaced yet")
+        timeout_s = self.replicas.timeouts.control_s
+        if self.committed_copy_bytes:
+            ray.get(actor.keep_committed_weights.remote(), timeout=timeout_s)
+        if self._routing is not None:
+            native = routing_mode(self.config, use_gpus=self.cluster.use_gpus) == "native"
+            ray.get(actor.capture_routed_experts.remote(native), timeout=timeout_s)
 
     def _capture_routing(self, config: VllmConfig, native: bool) -> tuple[int, int, int]:
         """Have every replica return its rows' routing (``native``: vLLM's own option reads
@@ -337,17 +380,64 @@ class VllmGeneration(GenerationBackend):
         return items
 
     def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
+        members = self.replicas.member_ids()
+        if not members:
+            raise NoReplicaServingError("no replica of the fleet serves: score cannot run")
         shards: list[BatchedDataDict[Any]] = BatchedDataDict(
             rows=batch.sequences, starts=batch.prompt_lengths
-        ).shard_by_batch_size(self.num_replicas, allow_uneven_shards=True)
-        results = self.replicas.score(
-            [(s["rows"], s["starts"]) if s.size else None for s in shards], top_logprobs
-        )
+        ).shard_by_batch_size(len(members), allow_uneven_shards=True)
+        if self.fleet is None:
+            results = self.replicas.score(
+                [(s["rows"], s["starts"]) if s.size else None for s in shards], top_logprobs
+            )
+        else:
+            results = self._score_healing(shards, members, top_logprobs)
         return [
             _scored_row(row, top_logprobs, self._routing)
             for shard in results
             for row in (shard or [])
         ]
+
+    def _score_healing(
+        self, shards: list[BatchedDataDict[Any]], members: list[int], top_logprobs: int
+    ) -> list[Any]:
+        """Score the shards on ``members``; a shard whose replica is lost runs again on one
+        that serves (scores depend only on the sequence and the weights)."""
+        assert self.fleet is not None
+        results: list[Any] = [None] * len(shards)
+        todo = {k: members[k] for k, shard in enumerate(shards) if shard.size}
+        while todo:
+            by_replica: dict[int, list[int]] = {}
+            for k, replica in todo.items():
+                by_replica.setdefault(replica, []).append(k)
+            work = {
+                replica: (
+                    [row for k in ks for row in shards[k]["rows"]],
+                    [start for k in ks for start in shards[k]["starts"]],
+                )
+                for replica, ks in by_replica.items()
+            }
+            outcomes = self.replicas.score_outcomes(work, top_logprobs)
+            failed = []
+            for replica, outcome in outcomes.items():
+                ks = by_replica[replica]
+                if isinstance(outcome, WorkerLostError):
+                    self.fleet.evict(replica, f"lost while scoring: {outcome}")
+                    failed.extend(ks)
+                    continue
+                if isinstance(outcome, GenerationError):
+                    raise outcome
+                offset = 0
+                for k in ks:
+                    size = len(shards[k]["rows"])
+                    results[k] = outcome[offset : offset + size]
+                    offset += size
+            lost = {r for r, o in outcomes.items() if isinstance(o, WorkerLostError)}
+            serving = [r for r in self.replicas.member_ids() if r not in lost]
+            if failed and not serving:
+                raise NoReplicaServingError("no replica of the fleet serves: score cannot finish")
+            todo = {k: serving[i % len(serving)] for i, k in enumerate(failed)}
+        return results
 
     def _extra_metrics(self, clear: bool = False) -> dict[str, int | float]:
         """Tokens generated by each replica since the last clear, its engine's steps and the
@@ -372,6 +462,7 @@ class VllmGeneration(GenerationBackend):
             "prefix_cache_queries_total": router.prompt_tokens,
             "prefix_cache_hits_total": router.cached_tokens,
             **self._delivery.snapshot(),
+            **(self.fleet.metrics() if self.fleet is not None else {}),
         }
 
     def _text_codec(self) -> TextCodec | None:
@@ -407,6 +498,7 @@ class VllmGeneration(GenerationBackend):
 
     def _close(self) -> None:
         steps = [
+            *([("the fleet's replacements", self.fleet.close)] if self.fleet is not None else []),
             ("the vLLM engines", self.replicas.shutdown),
             ("the driver loop", self._loop.close),
         ]

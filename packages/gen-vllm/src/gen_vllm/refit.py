@@ -23,7 +23,7 @@ from gen_interface import GenerationError, MixedWeightsError, WeightUpdateError
 
 from gen_vllm.messages import UpdateReport
 
-__all__ = ["MixedWeightsError", "verify_update"]
+__all__ = ["MixedWeightsError", "verify_update", "weights_differ"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,3 +93,25 @@ def _check_packed(rank: int, same_rank: Sequence[UpdateReport]) -> None:
             rank,
             len(by_kernel),
         )
+
+
+def weights_differ(
+    reference: Sequence[UpdateReport], candidate: Sequence[UpdateReport]
+) -> str | None:
+    """Why ``candidate`` (a replacement replica's ranks) does not hold the weights
+    ``reference`` (a serving replica's ranks) holds, or None when it does: each rank's
+    parameters, and its packed layers' results where both run the same kernel, exactly as
+    replicas are compared after a refit. Received bytes are not compared: a replacement reads
+    another copy (a peer's) than the trainer's buckets."""
+    if len(reference) != len(candidate):
+        return f"{len(candidate)} ranks where the fleet's replicas have {len(reference)}"
+    for rank, (ours, theirs) in enumerate(zip(reference, candidate)):
+        if ours["model_checksum"] != theirs["model_checksum"]:
+            return (
+                f"tensor-parallel rank {rank} holds other parameters than the fleet's "
+                f"(checksum {theirs['model_checksum']:#x}, the fleet's {ours['model_checksum']:#x})"
+            )
+        same_kernel = ours["kernel"] == theirs["kernel"]
+        if same_kernel and ours["packed_checksum"] != theirs["packed_checksum"]:
+            return f"tensor-parallel rank {rank}'s packed layers compute other results"
+    return None

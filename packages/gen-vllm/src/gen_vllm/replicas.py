@@ -24,7 +24,7 @@ from gen_vllm.messages import RowRequest, UpdateReport, WorkerInfo
 from gen_vllm.receive import LoadInfo
 from gen_vllm.worker import VllmGenerationWorker
 
-__all__ = ["ReplicaSet", "Timeouts", "WorkerLostError", "translate_ray_error"]
+__all__ = ["ReplicaSet", "Timeouts", "WorkerLostError", "kill_actor", "translate_ray_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,39 @@ class Timeouts:
     control_s: float = 300.0  # sleep, wake, cache resets, scoring probes
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What starting one replica's actor takes: kept to start a replacement in its place."""
+
+    remote_cls: Any
+    cluster: RayVirtualCluster
+    groups: list[list[Bundle]]
+    name_prefix: str
+    model: str
+    engine_args: dict[str, Any]
+    engine_factory: EngineFactory | None
+    env: Mapping[str, str]
+    cpu_threads: int | None
+
+
 @dataclass
 class ReplicaSet:
-    """Handles of the running ``VllmGenerationWorker`` actors, in replica order."""
+    """Handles of the running ``VllmGenerationWorker`` actors, in replica order.
+
+    Calls that reach every replica (life cycle, weights, scoring, counting rows) reach the
+    members only: every replica, unless ``members`` was set (a healing fleet sets it to the
+    replicas that take rows, ``FleetHealth.serving``); the lists they return follow
+    ``member_ids()``.
+    """
 
     actors: list[Any]
     timeouts: Timeouts = field(default_factory=Timeouts)
     infos: list[WorkerInfo] = field(default_factory=list)
+    #: Which replicas calls to "every replica" reach (None: all).
+    members: Callable[[], list[int]] | None = None
+    #: While a weight update is open, the members it started on: it ends on the same ones.
+    pinned: list[int] | None = None
+    launch: _Launch | None = None
     #: A call outlived its timeout: some worker may be stuck, so ``shutdown`` kills at once
     #: instead of waiting for workers to stop their engines.
     stuck: bool = False
@@ -92,21 +118,20 @@ class ReplicaSet:
         groups = cluster.engine_groups(tensor_parallel_size)
         remote_cls: Any = ray.remote(VllmGenerationWorker)
         replicas = cls([], timeouts)
+        replicas.launch = _Launch(
+            remote_cls,
+            cluster,
+            groups,
+            name_prefix,
+            model,
+            engine_args,
+            engine_factory,
+            dict(env or {}),
+            cpu_threads,
+        )
         try:
-            for index, group in enumerate(groups):
-                replicas.actors.append(
-                    _start_actor(
-                        remote_cls,
-                        cluster,
-                        group,
-                        name_prefix=name_prefix,
-                        name=f"{name_prefix}-{index}-{id(cluster):x}",
-                        args=(model, engine_args),
-                        engine_factory=engine_factory,
-                        env=env or {},
-                        cpu_threads=cpu_threads,
-                    )
-                )
+            for index in range(len(groups)):
+                replicas.actors.append(replicas._new_actor(index, generation=0))
             logger.info("starting %d vLLM engine(s) for %s", len(groups), model)
             replicas.infos = replicas._wait(
                 [a.info.remote() for a in replicas.actors], timeouts.startup_s, "start"
@@ -123,6 +148,76 @@ class ReplicaSet:
             ", ".join(f"{i['startup_seconds']:.1f}" for i in replicas.infos),
         )
         return replicas
+
+    def _new_actor(self, index: int, generation: int) -> Any:
+        launch = self.launch
+        assert launch is not None
+        suffix = f"-r{generation}" if generation else ""
+        return _start_actor(
+            launch.remote_cls,
+            launch.cluster,
+            launch.groups[index],
+            name_prefix=launch.name_prefix,
+            name=f"{launch.name_prefix}-{index}-{id(launch.cluster):x}{suffix}",
+            args=(launch.model, launch.engine_args),
+            engine_factory=launch.engine_factory,
+            env=launch.env,
+            cpu_threads=launch.cpu_threads,
+        )
+
+    def start_replacement(
+        self, replica: int, generation: int, started: Callable[[Any], None] | None = None
+    ) -> tuple[Any, WorkerInfo]:
+        """Start a new actor on ``replica``'s bundles (its engine group; Ray places it where the
+        group's placement is) and wait until its engine is up. It is not a member yet: the
+        caller loads and verifies its weights, then ``install``s it. ``generation``: how many
+        replacements this slot had, for a fresh actor name. ``started`` receives the actor as
+        soon as it exists (so a shutdown can kill it while it starts).
+
+        Raises:
+            GenerationError: the engine failed to start or did not within ``startup_s``; the
+                actor is killed.
+        """
+        import ray
+
+        actor = self._new_actor(replica, generation)
+        if started is not None:
+            started(actor)
+        try:
+            ref = actor.info.remote()
+            ready, _ = ray.wait([ref], timeout=self.timeouts.startup_s)
+            if not ready:
+                raise WorkerLostError(
+                    f"a replacement vLLM engine did not start within {self.timeouts.startup_s:g} "
+                    "s (vllm_cfg.startup_timeout_s)"
+                )
+            try:
+                info = ray.get(ref)
+            except Exception as exc:
+                raise translate_ray_error(exc, "start") from exc
+        except BaseException:
+            kill_actor(actor)
+            raise
+        return actor, info
+
+    def install(self, replica: int, actor: Any, info: WorkerInfo) -> None:
+        """``actor`` serves as ``replica`` from now on (the old one is dead)."""
+        self.actors[replica] = actor
+        self.infos[replica] = info
+
+    def kill(self, replica: int) -> None:
+        """Kill ``replica``'s actor now (it died, wedged or was evicted): never left half-alive."""
+        if replica < len(self.actors):  # none left after shutdown
+            kill_actor(self.actors[replica])
+
+    def member_ids(self) -> list[int]:
+        """The replicas that calls to "every replica" reach now, in order."""
+        if self.pinned is not None:
+            return list(self.pinned)
+        return self.members() if self.members is not None else list(range(len(self.actors)))
+
+    def _each(self) -> list[Any]:
+        return [self.actors[i] for i in self.member_ids()]
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -142,7 +237,7 @@ class ReplicaSet:
     def rows_in_flight(self) -> list[int]:
         """How many rows each replica's engine holds now."""
         return self._wait(
-            [a.rows_in_flight.remote() for a in self.actors],
+            [a.rows_in_flight.remote() for a in self._each()],
             self.timeouts.control_s,
             "counting rows",
         )
@@ -150,31 +245,40 @@ class ReplicaSet:
     def score(
         self, shards: Sequence[tuple[list[list[int]], list[int]] | None], top_logprobs: int = 0
     ) -> list[Any]:
-        """Score shard i on replica i (skipped when None); per-replica results, None if skipped."""
+        """Score shard i on member i (skipped when None); per-member results, None if skipped."""
+        members = self.member_ids()
         refs = {
-            i: actor.score.remote(*shard, top_logprobs)
-            for i, (actor, shard) in enumerate(zip(self.actors, shards))
+            i: self.actors[i].score.remote(*shard, top_logprobs)
+            for i, shard in zip(members, shards)
             if shard is not None
         }
         values = self._wait(list(refs.values()), self.timeouts.generate_s, "score")
         by_replica = dict(zip(refs, values))
-        return [by_replica.get(i) for i in range(len(self.actors))]
+        return [by_replica.get(i) for i in members]
+
+    def score_outcomes(
+        self, shards: Mapping[int, tuple[list[list[int]], list[int]]], top_logprobs: int = 0
+    ) -> dict[int, Any]:
+        """Score each shard on the replica it is keyed by; each one's result, or the
+        ``GenerationError`` it ended with (a healing fleet re-runs those elsewhere)."""
+        refs = [self.actors[i].score.remote(*shard, top_logprobs) for i, shard in shards.items()]
+        return dict(zip(shards, self._outcomes(refs, self.timeouts.generate_s, "score")))
 
     # ---- life cycle and weights ------------------------------------------------------------
 
     def sleep(self, level: int) -> None:
-        self._wait([a.sleep.remote(level) for a in self.actors], self.timeouts.control_s, "sleep")
+        self._wait([a.sleep.remote(level) for a in self._each()], self.timeouts.control_s, "sleep")
 
     def wake_up(self, tags: list[str]) -> None:
         self._wait(
-            [a.wake_up.remote(tags) for a in self.actors], self.timeouts.control_s, "wake_up"
+            [a.wake_up.remote(tags) for a in self._each()], self.timeouts.control_s, "wake_up"
         )
 
     def capture_routed_experts(self, native: bool = False) -> list[list[int] | str]:
         """Every replica returns its rows' MoE routing from now on (``native``: as vLLM's own
         option reads it): each one's ``[layers, top_k, experts]``, or why it cannot."""
         return self._wait(
-            [a.capture_routed_experts.remote(native) for a in self.actors],
+            [a.capture_routed_experts.remote(native) for a in self._each()],
             self.timeouts.control_s,
             "capture_routed_experts",
         )
@@ -183,7 +287,7 @@ class ReplicaSet:
         """Every replica serves its rows with a LoRA adapter (``VllmGenerationWorker.
         use_adapter``)."""
         self._wait(
-            [a.use_adapter.remote(settings, adapter_path) for a in self.actors],
+            [a.use_adapter.remote(settings, adapter_path) for a in self._each()],
             self.timeouts.control_s,
             "use_adapter",
         )
@@ -192,7 +296,7 @@ class ReplicaSet:
         """Every worker keeps a readable copy of the committed weights (``vllm_cfg.
         weight_deltas``); returns the bytes each rank holds."""
         sizes = self._wait(
-            [a.keep_committed_weights.remote() for a in self.actors],
+            [a.keep_committed_weights.remote() for a in self._each()],
             self.timeouts.control_s,
             "keep_committed_weights",
         )
@@ -201,7 +305,7 @@ class ReplicaSet:
     def weight_base(self) -> list[list[WeightBase | None]]:
         """Every replica's ranks' copies of the committed weights, described."""
         return self._wait(
-            [a.weight_base.remote() for a in self.actors],
+            [a.weight_base.remote() for a in self._each()],
             self.timeouts.control_s,
             "weight_base",
         )
@@ -210,7 +314,7 @@ class ReplicaSet:
         """Drop every replica's cached prefixes; each one's answer (False while rows hold
         blocks)."""
         return self._wait(
-            [a.reset_prefix_cache.remote() for a in self.actors],
+            [a.reset_prefix_cache.remote() for a in self._each()],
             self.timeouts.control_s,
             "reset_prefix_cache",
         )
@@ -219,7 +323,7 @@ class ReplicaSet:
         """Open vLLM's weight-update transaction on every replica; each one's outcome.
         ``in_flight``: running rows pause (``"keep"``) or end now, cut short (``"abort"``)."""
         self.loads_sent = 0
-        refs = [a.start_weight_update.remote(in_flight) for a in self.actors]
+        refs = [a.start_weight_update.remote(in_flight) for a in self._each()]
         return self._outcomes(refs, self.timeouts.update_s, "starting a weight update")
 
     def load_weights(self, info: LoadInfo) -> Callable[[], list[GenerationError | None]]:
@@ -228,21 +332,22 @@ class ReplicaSet:
         raised, so the caller can tell a load refused everywhere from replicas that now
         differ). Loads handed over together queue on the workers: none waits for a call."""
         order = self.loads_sent
-        refs = [a.load_weights.remote(info, order) for a in self.actors]
+        refs = [a.load_weights.remote(info, order) for a in self._each()]
         self.loads_sent += 1
         return lambda: self._outcomes(refs, self.timeouts.update_s, "a weight load")
 
     def finish_weight_update(self) -> list[list[UpdateReport] | GenerationError]:
         """Close the transaction on every replica (engines stay paused); each one's rank
         reports, or its error. A single replica skips the checksums only replicas compare."""
+        members = self._each()
         compared = len(self.actors) > 1
-        refs = [a.finish_weight_update.remote(compared) for a in self.actors]
+        refs = [a.finish_weight_update.remote(compared) for a in members]
         return self._outcomes(refs, self.timeouts.update_s, "the end of a weight update")
 
     def end_weight_update(self, version: int | None, *, cut: bool) -> list[GenerationError | None]:
         """Resume every replica after an update: committed as ``version`` or dropped (None);
         ``cut`` ends the rows the update paused. Each replica's outcome."""
-        refs = [a.end_weight_update.remote(version, cut) for a in self.actors]
+        refs = [a.end_weight_update.remote(version, cut) for a in self._each()]
         return self._outcomes(refs, self.timeouts.update_s, "resuming after a weight update")
 
     def init_collective(self, endpoint: CollectiveEndpoint, ranks_per_replica: int) -> None:
@@ -292,13 +397,10 @@ class ReplicaSet:
             self.actors = []
             return
         if not self.stuck:
-            stops = [actor.shutdown.remote() for actor in self.actors]
+            stops = [actor.shutdown.remote() for actor in self._each()]
             ray.wait(stops, num_returns=len(stops), timeout=_SHUTDOWN_GRACE_S)
         for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception as exc:  # already dead
-                logger.debug("kill: %s", exc)
+            kill_actor(actor)
         self.actors = []
 
     def _wait(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
@@ -333,6 +435,17 @@ class ReplicaSet:
             return ray.get(refs)
         except Exception as exc:
             raise translate_ray_error(exc, what) from exc
+
+
+def kill_actor(actor: Any) -> None:
+    """Kill ``actor``'s process at once (Ray SIGKILLs it, stopped or not); quiet when it is
+    dead already."""
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # already dead
+        logger.debug("kill: %s", exc)
 
 
 def translate_ray_error(exc: BaseException, what: str) -> GenerationError:

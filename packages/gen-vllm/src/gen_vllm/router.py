@@ -23,6 +23,18 @@ becomes the session's replica. The router remembers the last ``MAX_SESSIONS`` se
 The router's state lives on the driver's event loop (``driver``): dispatch, the replicas'
 streams and the load counts. A call iterates ``rows`` on its own loop, any thread's; its
 bookkeeping is handed to the driver's loop, and its items are handed back.
+
+Healing (a ``FleetHealth`` given): rows go only to replicas that take rows. A replica whose
+stream ends with an error (its worker died), whose engine failed, or that holds rows without
+sending anything for ``wedge_timeout_s`` (a working engine sends at least a heartbeat every
+second, ``step_feed.HEARTBEAT_S``) is lost: ``on_lost`` kills and replaces it, and its rows move.
+A row that has not handed a token to its caller runs again from its prompt on a serving
+replica, with its own settings and seed, so it gives what it would have given there (and what a
+fault-free call gives: a row depends only on its prompt, settings, seed and weights); a row that
+already streamed tokens ends its call with ``RowLostError`` naming it, never contradicting
+what was delivered. With no replica left that takes rows, calls fail at once with
+``NoReplicaServingError``. Without a ``FleetHealth``, a lost replica fails its rows' calls (the
+fail-stop setting, ``vllm_cfg.healing: false``).
 """
 
 from __future__ import annotations
@@ -36,11 +48,12 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gen_interface import GenerationError
+from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
+from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 
 from gen_vllm.engine_loop import EngineFailedError
 from gen_vllm.messages import RowOutput, RowRequest, StepBatch, TokenDelta
-from gen_vllm.replicas import ReplicaSet, translate_ray_error
+from gen_vllm.replicas import ReplicaSet, WorkerLostError, translate_ray_error
 
 __all__ = ["AFFINITY_SLACK_TOKENS", "MAX_SESSIONS", "Delivery", "RowItem", "RowRouter"]
 
@@ -82,6 +95,7 @@ class _Call:
     #: request id -> (index in the call, replica, cost), for the rows sent
     live: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     over: bool = False  # the caller stopped listening
+    streamed: set[int] = field(default_factory=set)  # rows that handed the caller a token
 
 
 class RowRouter:
@@ -90,11 +104,32 @@ class RowRouter:
     Args:
         replicas: the workers.
         capacity: most rows one replica runs at once.
+        health: the fleet's health, when it heals (None: fail-stop).
+        on_lost: called on the driver's loop with a replica and why, once per loss, when
+            healing: kill it and start its replacement.
+        wedge_timeout_s: how long a replica may hold rows without sending anything.
     """
 
-    def __init__(self, replicas: ReplicaSet, capacity: int):
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        capacity: int,
+        *,
+        health: FleetHealth | None = None,
+        on_lost: Callable[[int, str], None] | None = None,
+        wedge_timeout_s: float = 30.0,
+    ):
         self._replicas = replicas
         self._capacity = capacity
+        self._health = health
+        self._on_lost = on_lost
+        self._wedge_s = wedge_timeout_s
+        self._progress = [0.0] * len(replicas)  # driver-loop time of each one's last message
+        self._watchdog: asyncio.Task[None] | None = None
+        #: An update holds the engines paused: no progress is expected (set by the fleet).
+        self.paused = False
+        self.rows_rerun = 0  # rows moved from a lost replica and run again elsewhere
+        self.rows_lost = 0  # rows that had streamed tokens when their replica was lost
         self.outstanding = [0] * len(replicas)  # estimated tokens still to generate, per replica
         self.rows = [0] * len(replicas)  # rows in flight, per replica
         self.tokens = [0] * len(replicas)  # tokens generated (not scored), per replica
@@ -158,12 +193,17 @@ class RowRouter:
     def _submit(self, call: _Call) -> None:
         if call.over:
             return
+        if self._health is not None and self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
         self._queued.append(call)
         self._dispatch()
 
     def _dispatch(self) -> None:
         """Send the queued calls' rows, oldest call first, as far as the replicas have room:
         one ``add_rows`` per replica."""
+        if self._health is not None and self._queued and not self._any_taking_rows():
+            self._no_replica_serves()
+            return
         batches: dict[int, list[RowRequest]] = defaultdict(list)
         while self._queued:
             call = self._queued[0]
@@ -187,17 +227,21 @@ class RowRouter:
                 self._fail_rows(replica, [r.request_id for r in batch], lost)
                 continue
             added = self._replicas.add_rows(replica, batch)
-            task = asyncio.ensure_future(self._added(replica, added, batch))
+            task = asyncio.ensure_future(self._added(replica, added, batch, self._actor(replica)))
             task.add_done_callback(_log_unexpected)
 
-    async def _added(self, replica: int, ref: Any, batch: list[RowRequest]) -> None:
+    async def _added(self, replica: int, ref: Any, batch: list[RowRequest], actor: Any) -> None:
         """Fail the rows of a batch the replica refused (its engine failed, it died)."""
         try:
             await ref
         except Exception as exc:
-            self._fail_rows(
-                replica, [r.request_id for r in batch], translate_ray_error(exc, "generate")
-            )
+            error = translate_ray_error(exc, "generate")
+            if self._health is not None and isinstance(error, (WorkerLostError, EngineFailedError)):
+                now = self._actor(replica)
+                if now is None or now is actor:  # not a replacement admitted since
+                    self._lose(replica, error)
+                return
+            self._fail_rows(replica, [r.request_id for r in batch], error)
 
     def _give_up(self, call: _Call) -> None:
         """The caller left: abort its rows still in flight and give their room back."""
@@ -227,18 +271,34 @@ class RowRouter:
             self._readers[replica] = asyncio.ensure_future(self._read_stream(replica))
 
     async def _read_stream(self, replica: int) -> None:
+        actor = self._actor(replica)
         try:
             async for ref in self._replicas.outputs(replica):
                 self._deliver(replica, await ref)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._lose(replica, translate_ray_error(exc, "generate"))
+            error = translate_ray_error(exc, "generate")
         else:
-            self._lose(replica, GenerationError("a vLLM worker shut down while rows ran on it"))
+            error = GenerationError("a vLLM worker shut down while rows ran on it")
+        now = self._actor(replica)
+        if now is None or now is actor:  # a replacement admitted since has its own stream
+            self._lose(replica, error)
+
+    def _actor(self, replica: int) -> Any:
+        """The actor serving as ``replica`` now (None where the replicas have no actors)."""
+        actors = getattr(self._replicas, "actors", None)
+        return actors[replica] if actors is not None and replica < len(actors) else None
 
     def _deliver(self, replica: int, batch: StepBatch) -> None:
         """Hand each call its part of one message: one hand-over per caller's loop."""
+        healing = self._health is not None
+        if healing:
+            if self._lost[replica] is not None:
+                return  # a lost replica's last words: its rows are elsewhere now
+            self._progress[replica] = asyncio.get_running_loop().time()
+            if self._health is not None and self._health.state(replica) is ReplicaState.SUSPECT:
+                self._health.move(replica, ReplicaState.SERVING, "progress again")
         self.engine_steps[replica] += batch.steps
         self.engine_seconds[replica] += batch.step_seconds
         parts: dict[int, tuple[_Call, list[RowItem]]] = {}
@@ -248,13 +308,16 @@ class RowRouter:
 
         for delta in batch.deltas:
             route = self._routes.get(delta.request_id)
-            if route is not None and route[1]:
+            if route is not None and route[1] and self._on(route[0], delta.request_id, replica):
                 call = route[0]
-                part(call).append((call.live[delta.request_id][0], delta))
+                index = call.live[delta.request_id][0]
+                call.streamed.add(index)
+                part(call).append((index, delta))
         for request_id, row in batch.finished:
-            route = self._routes.pop(request_id, None)
-            if route is None:
+            route = self._routes.get(request_id)
+            if route is None or not self._on(route[0], request_id, replica):
                 continue  # given up on by its call
+            self._routes.pop(request_id)
             call, _, prompt_length = route
             index, _, cost = call.live.pop(request_id)
             self._untake(replica, cost)
@@ -263,18 +326,138 @@ class RowRouter:
                 self.prompt_tokens += prompt_length
                 self.cached_tokens += row.cached_tokens
             part(call).append((index, row))
+        engine_failed = None
         for failure in batch.failed:
             kind = EngineFailedError if failure.engine_failed else GenerationError
+            if healing and failure.engine_failed:
+                engine_failed = EngineFailedError(failure.message)
+                continue  # the replica is lost below, and this row moves with the others
             self._fail_rows(replica, [failure.request_id], kind(failure.message))
         _hand_over([(call, Delivery(items, batch.ended)) for call, items in parts.values()])
-        if batch.finished:
+        if engine_failed is not None:
+            self._lose(replica, engine_failed)
+        elif batch.finished:
             self._dispatch()
 
     def _lose(self, replica: int, error: GenerationError) -> None:
-        """``replica``'s stream ended: every row on it fails with ``error``."""
+        """``replica``'s stream ended, or it wedged: fail-stop, every row on it fails with
+        ``error``; healing, its rows move (see the module docstring)."""
+        if self._health is None:
+            self._lost[replica] = error
+            ids = [i for i, (call, _, _) in self._routes.items() if self._on(call, i, replica)]
+            self._fail_rows(replica, ids, error)
+            return
+        if self._lost[replica] is not None:
+            return  # already lost: a dead stream and a failed call report it twice
         self._lost[replica] = error
-        ids = [i for i, (call, _, _) in self._routes.items() if self._on(call, i, replica)]
-        self._fail_rows(replica, ids, error)
+        reader = self._readers[replica]
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+        self._readers[replica] = None
+        if self._on_lost is not None:
+            self._on_lost(replica, str(error))
+        lost: dict[int, tuple[_Call, list[int]]] = {}
+        moved: dict[int, tuple[_Call, list[int]]] = {}
+        for request_id, (call, _, _) in list(self._routes.items()):
+            if not self._on(call, request_id, replica):
+                continue
+            del self._routes[request_id]
+            index, _, cost = call.live.pop(request_id)
+            self._untake(replica, cost)
+            into = lost if index in call.streamed else moved
+            into.setdefault(id(call), (call, []))[1].append(index)
+        for call, indexes in moved.values():
+            self.rows_rerun += len(indexes)
+            call.waiting.extendleft(sorted(indexes, reverse=True))
+            if call not in self._queued:
+                self._queued.appendleft(call)
+        failed: list[tuple[_Call, Delivery | BaseException]] = []
+        for call, indexes in lost.values():
+            self.rows_lost += len(indexes)
+            failed.append((call, _row_lost(sorted(indexes), replica, error)))
+        _hand_over(failed)
+        if moved:
+            logger.warning(
+                "replica %d lost (%s): %d row(s) run again on the others",
+                replica,
+                error,
+                sum(len(i) for _, i in moved.values()),
+            )
+        self._dispatch()
+
+    def admit(self, replica: int) -> None:
+        """``replica`` (a replacement, admitted by the fleet) takes rows from now on."""
+        self._lost[replica] = None
+        self._readers[replica] = None
+        self.rows[replica] = 0
+        self.outstanding[replica] = 0
+        self._progress[replica] = asyncio.get_running_loop().time()
+        self._dispatch()
+
+    def lose(self, replica: int, why: str) -> None:
+        """``replica`` was found dead or evicted outside the token path (a weight update):
+        treat it as lost. Call on the driver's loop."""
+        self._lose(replica, WorkerLostError(why))
+
+    def _any_taking_rows(self) -> bool:
+        return any(self._takes_rows(r) for r in range(len(self.rows)))
+
+    def _takes_rows(self, replica: int) -> bool:
+        if self._health is None:
+            return True  # fail-stop: a lost replica's rows fail in _dispatch, as they did
+        return self._lost[replica] is None and self._health.takes_rows(replica)
+
+    def _no_replica_serves(self) -> None:
+        """Fail every call waiting for a replica: none takes rows now."""
+        assert self._health is not None
+        metrics = self._health.metrics()
+        error = NoReplicaServingError(
+            f"no replica of the fleet serves: {metrics['fleet_replicas_dead']} dead, "
+            f"{metrics['fleet_replicas_restarting'] + metrics['fleet_replicas_stale']} being "
+            f"replaced, {self._health.restarts_left} restart(s) left "
+            "(vllm_cfg.max_replica_restarts); retry once a replacement serves"
+        )
+        failed: list[tuple[_Call, Delivery | BaseException]] = []
+        while self._queued:
+            call = self._queued.popleft()
+            call.waiting.clear()
+            failed.append((call, error))
+        _hand_over(failed)
+
+    async def _watch(self) -> None:
+        """Every so often: a replica that holds rows and has sent nothing for the wedge bound
+        is lost; for half of it, suspect."""
+        assert self._health is not None
+        health = self._health
+        loop = asyncio.get_running_loop()
+        period = min(1.0, self._wedge_s / 4)
+        last = loop.time()
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            if now - last > 2 * period + 1.0:
+                # this process was not scheduled for a while (stopped, suspended): what the
+                # replicas sent meanwhile is unread, so no silence of theirs can be told apart
+                self._progress = [now] * len(self._progress)
+            last = now
+            for replica in range(len(self.rows)):
+                if not self._takes_rows(replica):
+                    continue
+                if self.rows[replica] == 0 or self.paused:
+                    self._progress[replica] = now
+                    continue
+                idle = now - self._progress[replica]
+                if idle > self._wedge_s:
+                    self._lose(
+                        replica,
+                        WorkerLostError(
+                            f"replica {replica} held {self.rows[replica]} row(s) and made no "
+                            f"progress for {idle:.1f} s (vllm_cfg.wedge_timeout_s = "
+                            f"{self._wedge_s:g}): wedged, killed"
+                        ),
+                    )
+                elif idle > self._wedge_s / 2 and health.state(replica) is ReplicaState.SERVING:
+                    health.move(replica, ReplicaState.SUSPECT, f"no progress for {idle:.1f} s")
 
     def _fail_rows(self, replica: int, request_ids: list[str], error: GenerationError) -> None:
         failed = []
@@ -316,16 +499,31 @@ class RowRouter:
         return replica
 
     def _least_loaded(self) -> int | None:
-        free = [r for r in range(len(self.rows)) if self.rows[r] < self._capacity]
+        free = [
+            r
+            for r in range(len(self.rows))
+            if self.rows[r] < self._capacity and self._takes_rows(r)
+        ]
         return min(free, key=lambda r: (self.outstanding[r], self.rows[r], r)) if free else None
 
     def _take(self, replica: int, cost: int) -> None:
+        if self.rows[replica] == 0:  # the wedge clock starts when a replica gets rows
+            self._progress[replica] = asyncio.get_running_loop().time()
         self.rows[replica] += 1
         self.outstanding[replica] += cost
 
     def _untake(self, replica: int, cost: int) -> None:
         self.rows[replica] -= 1
         self.outstanding[replica] -= cost
+
+
+def _row_lost(rows: list[int], replica: int, error: GenerationError) -> RowLostError:
+    return RowLostError(
+        f"row(s) {rows} had already streamed tokens when replica {replica} was lost ({error}): "
+        "their tokens so far stand, the rest cannot be made elsewhere without contradicting "
+        "them; run those rows again (the same seed gives the same tokens)",
+        tuple(rows),
+    )
 
 
 def _timed_out(timeout_s: float, unfinished: int, total: int) -> GenerationError:

@@ -5,6 +5,10 @@ finished or failed); the worker's ``outputs`` stream takes everything added sinc
 or waits for the next step. So the driver receives one message per engine step for all rows,
 pushed as the step ends, and several steps in one message when it falls behind: the cost is
 per message, never per row or per token.
+
+While the engine steps without producing anything the driver reads (rows that report only at
+their end), a message carrying only the step count goes out at most every ``HEARTBEAT_S``: the
+driver's proof that a replica holding rows still makes progress (a wedged one sends nothing).
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from collections.abc import Sequence
 
 from gen_vllm.messages import RowFailure, RowOutput, StepBatch, TokenDelta
 
-__all__ = ["StepFeed"]
+__all__ = ["HEARTBEAT_S", "StepFeed"]
+
+#: The longest an engine that steps goes without a message to the driver.
+HEARTBEAT_S = 1.0
 
 
 class StepFeed:
@@ -28,6 +35,8 @@ class StepFeed:
         self._batch = StepBatch()
         self._closed = False
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        self._beat = False  # a batch of steps alone is due
+        self._last_taken = time.monotonic()
 
     def push(
         self,
@@ -44,7 +53,9 @@ class StepFeed:
                 self._batch.steps += 1
                 self._batch.step_seconds += step_seconds
             if not (deltas or finished or failed):
-                return
+                if not self._batch.steps or time.monotonic() - self._last_taken < HEARTBEAT_S:
+                    return
+                self._beat = True
             self._batch.deltas.extend(deltas)
             self._batch.finished.extend(finished)
             self._batch.failed.extend(failed)
@@ -66,9 +77,11 @@ class StepFeed:
         there yet. None once the feed is closed and empty."""
         while True:
             with self._lock:
-                if self._batch or self._closed:
+                if self._batch or self._beat or self._closed:
                     batch, self._batch = self._batch, StepBatch()
-                    return batch if batch else None
+                    self._beat = False
+                    self._last_taken = time.monotonic()
+                    return batch if batch or batch.steps else None
                 loop = asyncio.get_running_loop()
                 future: asyncio.Future[None] = loop.create_future()
                 self._waiter = (loop, future)

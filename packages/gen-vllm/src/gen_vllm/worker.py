@@ -315,6 +315,26 @@ class VllmGenerationWorker:
             lambda: self._loop.engine.collective_rpc("committed_weights_base")
         )
 
+    async def share_committed_weights(self) -> tuple[int | None, dict[str, Any]] | None:
+        """The copy of the committed weights (``weight_deltas``) in shared buckets, with its
+        version, for a replacement replica; None without a copy. Freed by
+        ``release_committed_weights`` (or by the reader, bucket by bucket)."""
+        shared = await self._loop.call(
+            lambda: self._loop.engine.collective_rpc("share_committed_weights")
+        )
+        return shared[0] if shared else None
+
+    async def release_committed_weights(self) -> None:
+        await self._loop.call(lambda: self._loop.engine.collective_rpc("release_committed_weights"))
+
+    async def weight_report(self) -> list[UpdateReport]:
+        """Each rank's checksums of the weights it serves now (``weight_update_report``, as
+        compared between replicas), computed between engine steps: what a replacement's
+        weights must equal before it is admitted."""
+        return await self._loop.call(
+            lambda: self._loop.engine.collective_rpc("weight_update_report", (True,))
+        )
+
     async def init_collective(self, endpoint: CollectiveEndpoint, rank: int) -> None:
         """Join the trainer's weight group: this engine's tensor-parallel rank r as ``rank + r``."""
         init_info = {"endpoint": dict(endpoint), "rank": rank}

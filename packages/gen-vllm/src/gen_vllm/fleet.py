@@ -1,0 +1,339 @@
+"""``Fleet``: a healing fleet of replicas: losses reported, replacements started and admitted.
+
+The health itself is the kit's ``FleetHealth`` (one state machine, one owner); this is what
+gen-vllm does at each transition:
+
+- **Lost** (``lost``, from the router on the driver's loop: a dead stream, a failed engine, a
+  wedge; or ``evict``, from a weight update that a replica did not answer): the replica is
+  marked dead, its actor killed at once (Ray SIGKILLs it, even stopped), and a replacement
+  starts on a thread if restarts are left (``vllm_cfg.max_replica_restarts``).
+- **Replacement**: a new actor on the dead one's bundles (``ReplicaSet.start_replacement``),
+  ``restarting`` until its engine is up, then ``stale``. It takes the fleet's current weights,
+  not the checkpoint's: while the fleet still serves the checkpoint (no update committed) it
+  already holds them; after that, a serving peer's readable copy of the committed weights
+  (``vllm_cfg.weight_deltas``, ``staging.py``) is put in shared-memory buckets with their
+  checksums and loaded through the same transaction as a refit (each tensor verified on
+  arrival). It is admitted (``serving``, at the fleet's version) only when its weight report
+  equals a serving replica's (``refit.weights_differ``), while no update is open; an update
+  that committed meanwhile makes it load again. A replacement that fails to start, load or
+  verify is killed and the slot is dead again (another replacement follows while restarts
+  are left).
+- **Updates** pin the members they started on (``pin`` / ``unpin``); a replacement waits for
+  the update to end, then loads its result.
+
+Without a copy of the committed weights, a replica lost after the first committed update
+cannot be brought to the fleet's weights: it stays dead and the fleet runs smaller (a warning
+says why). The copy costs one model's size of host memory per worker rank (``weight_deltas``),
+and a peer's share one more, briefly, while a replacement reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
+from gen_interface import GenerationError, MixedWeightsError
+
+from gen_vllm.messages import UpdateReport, WorkerInfo
+from gen_vllm.receive import LoadInfo
+from gen_vllm.refit import weights_differ
+from gen_vllm.replicas import ReplicaSet, kill_actor, translate_ray_error
+from gen_vllm.router import RowRouter
+
+__all__ = ["Fleet"]
+
+logger = logging.getLogger(__name__)
+
+_ATTEMPTS = 5  # loads of a replacement before giving up, when updates keep overtaking it
+_POLL_S = 0.05
+
+
+class Fleet:
+    """Healing for ``replicas``; see the module docstring.
+
+    Args:
+        replicas: the actors (their ``members`` become the health's serving replicas).
+        health: the state machine.
+        loop: the driver's event loop, where the router lives.
+        refit_deadline_s: the most a replacement's weight load may take.
+        prepare: set a new actor up as its peers were (the copy of the committed weights,
+            routing capture) before it loads weights.
+        weights_absent: the fleet started without its checkpoint (``load_format: dummy``).
+    """
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        health: FleetHealth,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        refit_deadline_s: float,
+        prepare: Callable[[Any], None],
+        weights_absent: bool = False,
+    ):
+        self.replicas = replicas
+        self.health = health
+        self.router: RowRouter | None = None
+        self.version = 0  # the fleet's committed weight version
+        self.faults = 0  # replicas lost
+        self.heal_seconds: list[float] = []  # from each loss to its replacement's admission
+        self._loop = loop
+        self._deadline_s = refit_deadline_s
+        self._prepare = prepare
+        self._checkpoint_current = True  # no update committed: the checkpoint is the weights
+        self._absent = weights_absent
+        self._lock = threading.RLock()  # admissions against the start of an update
+        self._lost_at: dict[int, float] = {}
+        self._starting: dict[int, Any] = {}  # replacement actors not yet admitted
+        self._threads: list[threading.Thread] = []
+        self._closed = threading.Event()
+        replicas.members = health.serving
+
+    # ---- losses ----------------------------------------------------------------------------
+
+    def lost(self, replica: int, why: str) -> None:
+        """``replica`` is lost (the router's ``on_lost``, on the driver's loop): dead, killed,
+        and replaced if restarts are left. Nothing once the backend shuts down (its streams end
+        then)."""
+        if self._closed.is_set() or not self.health.kill(replica, why):
+            return
+        self.faults += 1
+        self._lost_at[replica] = time.monotonic()
+        self.replicas.kill(replica)
+        logger.warning("replica %d is dead and was killed: %s", replica, why)
+        self._maybe_replace(replica)
+
+    def evict(self, replica: int, why: str) -> None:
+        """Treat ``replica`` as lost from any thread (a weight update it did not answer): its
+        rows move as if its stream had ended."""
+        if self.router is None or self._closed.is_set():
+            return
+        router = self.router
+        try:
+            self._loop.call_soon_threadsafe(router.lose, replica, why)
+        except RuntimeError:  # the loop is closed: shutting down
+            return
+
+    def _maybe_replace(self, replica: int) -> None:
+        if self._closed.is_set() or not self.health.may_restart(replica):
+            return
+        self.health.move(replica, ReplicaState.RESTARTING, "a replacement is starting")
+        thread = threading.Thread(
+            target=self._replace, args=(replica,), name=f"replace-replica-{replica}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    # ---- updates ---------------------------------------------------------------------------
+
+    def pin(self) -> list[int]:
+        """An update starts on the members of now; they stay its members until ``unpin``."""
+        with self._lock:
+            pinned = self.replicas.pinned = self.replicas.member_ids()
+            if self.router is not None:
+                self.router.paused = True
+            return pinned
+
+    def drop_from_update(self, replica: int, why: str) -> None:
+        """``replica`` failed its part of the update in progress: out of it, and evicted."""
+        pinned = self.replicas.pinned
+        if pinned is not None and replica in pinned:
+            pinned.remove(replica)
+        self.evict(replica, why)
+
+    def unpin(self, version: int | None) -> None:
+        """The update ended: committed as ``version`` on its members, or dropped (None)."""
+        with self._lock:
+            if version is not None:
+                self.version = version
+                self._checkpoint_current = False
+                self._absent = False
+                self.health.set_version(version)
+            self.replicas.pinned = None
+            if self.router is not None:
+                self.router.paused = False
+
+    # ---- replacements ----------------------------------------------------------------------
+
+    def _replace(self, replica: int) -> None:
+        while not self._closed.is_set():
+            actor = None
+            try:
+                restarts = self.health.record(replica).restarts
+                actor, info = self.replicas.start_replacement(
+                    replica, restarts, lambda a: self._starting.__setitem__(replica, a)
+                )
+                self.health.move(replica, ReplicaState.STALE, "engine up, weights unverified")
+                self._prepare(actor)
+                self._admit(replica, actor, info)
+                return
+            except Exception as exc:
+                if actor is not None:
+                    kill_actor(actor)
+                self._starting.pop(replica, None)
+                if self._closed.is_set():
+                    return
+                self.health.kill(replica, f"its replacement failed: {exc}")
+                logger.warning("the replacement of replica %d failed: %s", replica, exc)
+                if not self.health.may_restart(replica):
+                    return
+                self.health.move(replica, ReplicaState.RESTARTING, "another replacement")
+
+    def _admit(self, replica: int, actor: Any, info: WorkerInfo) -> None:
+        """Bring ``actor`` to the fleet's weights and admit it; see the module docstring.
+
+        Raises:
+            GenerationError: no weights to give it, a load failed, or they did not verify.
+        """
+        for _ in range(_ATTEMPTS):
+            self._wait_for_no_update()
+            with self._lock:
+                if self.replicas.pinned is not None:
+                    continue
+                version = self.version
+                shared = None if self._checkpoint_current else self._share_copy(version)
+            source = "its checkpoint"
+            if shared is None:
+                report = self._get(actor.weight_report.remote(), "a weight report")
+            else:
+                peer, handles = shared
+                source = f"replica {peer}'s copy of version {version}"
+                try:
+                    report = self._load(actor, handles, version)
+                finally:
+                    self.replicas.actors[peer].release_committed_weights.remote()
+            with self._lock:
+                if self.replicas.pinned is not None or self.version != version:
+                    continue  # an update came between: load its result
+                self._verify(replica, report, source)
+                self.replicas.install(replica, actor, info)
+                self._starting.pop(replica, None)
+                self.health.admit(replica, version)
+                lost_at = self._lost_at.pop(replica, None)
+                if lost_at is not None:
+                    self.heal_seconds.append(time.monotonic() - lost_at)
+                if self.router is not None:
+                    self._loop.call_soon_threadsafe(self.router.admit, replica)
+                logger.info("replica %d replaced, serving at weight version %d", replica, version)
+                return
+        raise GenerationError(
+            f"weight updates kept overtaking the replacement of replica {replica} "
+            f"({_ATTEMPTS} loads)"
+        )
+
+    def _share_copy(self, version: int) -> tuple[int, dict[str, Any]] | None:
+        """A serving peer's copy of the committed weights at ``version``, shared: ``(peer,
+        handles)``.
+
+        Raises:
+            GenerationError: no serving replica keeps a copy (``vllm_cfg.weight_deltas``).
+        """
+        for peer in self.replicas.member_ids():
+            shared = self._get(
+                self.replicas.actors[peer].share_committed_weights.remote(), "sharing weights"
+            )
+            if shared is not None and shared[0] == version:
+                return peer, shared[1]
+            if shared is not None:
+                self.replicas.actors[peer].release_committed_weights.remote()
+        raise GenerationError(
+            f"no serving replica keeps a readable copy of the committed weights (version "
+            f"{version}), so a replacement cannot take them: set vllm_cfg.weight_deltas to "
+            "true to keep one; the fleet runs smaller"
+        )
+
+    def _load(self, actor: Any, handles: dict[str, Any], version: int) -> list[UpdateReport]:
+        """Run a whole refit from ``handles`` on the new actor alone; its ranks' reports."""
+        actor_calls = [
+            lambda: actor.start_weight_update.remote("keep"),
+            lambda: actor.load_weights.remote(LoadInfo(handles=handles), 0),  # type: ignore[typeddict-item]
+        ]
+        for call in actor_calls:
+            self._get(call(), "a replacement's weight load", self._deadline_s)
+        reports: list[UpdateReport] = self._get(
+            actor.finish_weight_update.remote(True), "a replacement's weight load", self._deadline_s
+        )
+        self._get(actor.end_weight_update.remote(version, False), "a replacement's weight load")
+        return reports
+
+    def _verify(self, replica: int, report: list[UpdateReport], source: str) -> None:
+        members = self.replicas.member_ids()
+        if not members or self._absent:
+            return  # nothing to compare with: it holds the checkpoint, as the fleet did
+        reference = self._get(
+            self.replicas.actors[members[0]].weight_report.remote(), "a weight report"
+        )
+        why = weights_differ(reference, report)
+        if why is not None:
+            raise MixedWeightsError(
+                f"the replacement of replica {replica}, loaded from {source}, does not hold "
+                f"the weights replica {members[0]} serves (version {self.version}): {why}; "
+                "evicted"
+            )
+
+    def _wait_for_no_update(self) -> None:
+        deadline = time.monotonic() + self._deadline_s + self.replicas.timeouts.update_s
+        while self.replicas.pinned is not None and not self._closed.is_set():
+            if time.monotonic() > deadline:
+                raise GenerationError("a weight update stayed open past its bounds")
+            time.sleep(_POLL_S)
+        if self._closed.is_set():
+            raise GenerationError("the backend shut down")
+
+    def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout_s or self.replicas.timeouts.control_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise GenerationError(f"{what} did not finish within {timeout_s} s") from exc
+        except Exception as exc:
+            raise translate_ray_error(exc, what) from exc
+
+    # ---- reading, closing ------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, int | float]:
+        """The health's metrics, the faults seen, rows re-run or lost, and healing times."""
+        router = self.router
+        heal = self.heal_seconds
+        return {
+            **self.health.metrics(),
+            "fleet_faults_total": self.faults,
+            "fleet_rows_rerun_total": router.rows_rerun if router is not None else 0,
+            "fleet_rows_lost_total": router.rows_lost if router is not None else 0,
+            "fleet_heal_seconds_last": heal[-1] if heal else 0.0,
+            "fleet_heal_seconds_max": max(heal) if heal else 0.0,
+        }
+
+    def settled(self) -> bool:
+        """No replacement is under way."""
+        return not any(
+            self.health.state(i) in (ReplicaState.RESTARTING, ReplicaState.STALE)
+            for i in range(self.health.size)
+        )
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.settled():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def close(self) -> None:
+        """Stop replacing, and kill replacements not yet admitted (before ``ReplicaSet.
+        shutdown``, which kills the members)."""
+        self._closed.set()
+        for actor in list(self._starting.values()):
+            kill_actor(actor)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        for actor in list(self._starting.values()):  # one that came up while joining
+            kill_actor(actor)
+        self._starting.clear()
