@@ -219,11 +219,11 @@ def diff_tensors(base: torch.Tensor, new: torch.Tensor) -> TensorDiff:
     old_bits, new_bits = _bits(base), _bits(new)
     new_bytes = new_bits.view(np.uint8)
 
+    old_bytes = old_bits.view(np.uint8)
+
     def chunk(start: int, end: int) -> tuple[int, np.ndarray, np.ndarray]:
-        first, last = start // width, end // width
-        xors = old_bits[first:last] ^ new_bits[first:last]
-        changed = np.flatnonzero(xors)
-        return _hash(new_bytes[start:end]), changed + first, xors[changed]
+        changed, xors = _changes(old_bytes[start:end], new_bytes[start:end], old_bits.dtype)
+        return _hash(new_bytes[start:end]), changed + start // width, xors
 
     results = _run_chunks(new_bytes.size, chunk)
     positions = np.concatenate([r[1] for r in results]) if results else np.zeros(0, np.int64)
@@ -254,10 +254,10 @@ def encode_delta(
     """
     block, planes, wide = diff._layout_choice()
     width, count = diff.itemsize, diff.count
-    payload = torch.zeros(
+    payload = torch.empty(
         _payload_size(diff.numel, width, count, block, planes, wide), dtype=torch.uint8
     )
-    parts = _parts(payload, diff.numel, width, count, block, planes, wide)
+    parts = _parts(payload, diff.numel, width, count, block, planes, wide, zero_padding=True)
     blocks = diff.positions // block
     parts.counts[:] = np.bincount(blocks, minlength=parts.counts.size).astype(parts.counts.dtype)
     parts.offsets[:] = (diff.positions - blocks * block).astype(parts.offsets.dtype)
@@ -389,16 +389,48 @@ def _payload_size(numel: int, width: int, count: int, block: int, planes: int, w
 
 
 def _parts(
-    payload: torch.Tensor, numel: int, width: int, count: int, block: int, planes: int, wide: int
+    payload: torch.Tensor,
+    numel: int,
+    width: int,
+    count: int,
+    block: int,
+    planes: int,
+    wide: int,
+    zero_padding: bool = False,
 ) -> _Parts:
+    """Views of the payload's parts; ``zero_padding`` zeroes the bytes between them (a payload
+    made with ``torch.empty`` whose parts are all about to be written)."""
     raw = payload.numpy()
     views: list[np.ndarray] = []
     offset = 0
     for n, kind in _sizes(numel, width, count, block, planes, wide):
         nbytes = n * np.dtype(kind).itemsize
         views.append(raw[offset : offset + nbytes].view(kind))
+        if zero_padding:
+            raw[offset + nbytes : offset + _aligned(nbytes)] = 0
         offset += _aligned(nbytes)
     return _Parts(views[0], views[1], views[2 : 2 + planes], views[-2], views[-1])
+
+
+def _changes(old: np.ndarray, new: np.ndarray, kind: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Where two byte ranges of elements of unsigned type ``kind`` differ: the changed
+    elements' indices in the range and their XORs. The XOR and the search for changes run on
+    8-byte words (four bfloat16 values at once), then only the changed words are split: at a
+    few percent changed that is several times faster than searching every element."""
+    width = np.dtype(kind).itemsize
+    words = old.size // 8
+    per_word = 8 // width
+    xors64 = np.bitwise_xor(old[: words * 8].view(np.uint64), new[: words * 8].view(np.uint64))
+    changed_words = np.flatnonzero(xors64)
+    parts = xors64[changed_words].view(kind).reshape(-1, per_word)
+    word, lane = np.nonzero(parts)
+    changed, xors = changed_words[word] * per_word + lane, parts[word, lane]
+    if old.size > words * 8:  # a range that ends mid-word: the last elements one by one
+        tail = old[words * 8 :].view(kind) ^ new[words * 8 :].view(kind)
+        at = np.flatnonzero(tail)
+        changed = np.concatenate([changed, at + words * per_word])
+        xors = np.concatenate([xors, tail[at]])
+    return changed, xors
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
