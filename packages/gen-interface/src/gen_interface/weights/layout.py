@@ -110,22 +110,32 @@ def resolve_places(
 
 def plan_buckets(tensors: Iterable[tuple[str, Entry]], bucket_bytes: int) -> list[NamedEntries]:
     """Cut ``tensors`` (in order) into groups of at most ``bucket_bytes`` laid out; a tensor
-    larger than that is a group of its own. A delta counts its own bytes."""
+    larger than that is a group of its own. A delta counts its own bytes (and a group of
+    deltas ends once they stand for ``DELTA_SPAN_BYTES`` of weights)."""
     return list(iter_buckets(tensors, bucket_bytes))
+
+
+#: A bucket closes once its deltas stand for this many bytes of weights, however few bytes they
+#: encode: a receiver applies and loads each bucket while the trainer makes the next one's
+#: deltas, which one bucket holding a whole model's deltas would leave no room for.
+DELTA_SPAN_BYTES = 32 * 2**20
 
 
 def iter_buckets(tensors: Iterable[tuple[str, Entry]], bucket_bytes: int) -> Iterator[NamedEntries]:
     """``plan_buckets``, each group made once the entries it holds were made (entries made on
-    demand, such as deltas, are then made one bucket ahead of the one being filled)."""
+    demand, such as deltas, are then made one bucket ahead of the one being filled). A group
+    also ends once its deltas stand for ``DELTA_SPAN_BYTES`` of weights."""
     current: NamedEntries = []
-    size = 0
+    size = span = 0
     for name, entry in tensors:
         nbytes = aligned(entry_bytes(entry))
-        if current and size + nbytes > bucket_bytes:
+        if current and (size + nbytes > bucket_bytes or span >= DELTA_SPAN_BYTES):
             yield current
-            current, size = [], 0
+            current, size, span = [], 0, 0
         current.append((name, entry))
         size += nbytes
+        if isinstance(entry, TensorDelta):
+            span += entry.whole_bytes
     if current:
         yield current
 
