@@ -131,8 +131,10 @@ def _clone(state: Any) -> Any:
 # ---- the backends ---------------------------------------------------------------------------
 
 
-def vllm_backend(path: str, deltas: bool) -> Any:
-    from gen_vllm import VllmGeneration
+def vllm_backend(path: str, deltas: bool) -> tuple[Any, Any]:
+    """One replica on a one-CPU bundle of its own, so that two fit on a 2-CPU machine (a cluster
+    left to its default takes every free CPU): ``(backend, cluster)``, both to shut down."""
+    from gen_vllm import RayVirtualCluster, VllmGeneration
 
     config = {
         "backend": "vllm",
@@ -142,9 +144,13 @@ def vllm_backend(path: str, deltas: bool) -> Any:
         "stop_token_ids": [],
         "vllm_cfg": {"cpu_kv_cache_gib": 0.25, "weight_deltas": deltas},
     }
-    return VllmGeneration.create(
-        configure_generation_config(config, TOKENIZER), replicas=1, use_gpus=False
-    )
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1, name=f"delta-{deltas}")
+    try:
+        backend = VllmGeneration(cluster, configure_generation_config(config, TOKENIZER))
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return backend, cluster
 
 
 def gen_serve(path: str, deltas: bool) -> ServerProcess:
@@ -174,13 +180,26 @@ class Timed:
         self.sent: list[int] = []
         self.whole: list[int] = []
         self.deltas: list[float] = []
+        #: the backend's own time per refit phase (``refit_{phase}_seconds_total``), per rep
+        self.phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
 
-    def add(self, seconds: float, size: Any) -> None:
+    def add(self, seconds: float, size: Any, phases: dict[str, float]) -> None:
         self.seconds.append(seconds)
+        for phase, took in phases.items():
+            self.phases[phase].append(took)
         if size is not None:
             self.sent.append(size.sent_bytes)
             self.whole.append(size.whole_bytes)
             self.deltas.append(size.deltas / max(size.tensors, 1))
+
+
+PHASES = ("begin", "load", "commit")
+
+
+def phase_totals(backend: Any) -> dict[str, float]:
+    """The backend's committed refits' seconds so far, per phase."""
+    metrics = backend.get_logger_metrics()
+    return {phase: float(metrics.get(f"refit_{phase}_seconds_total", 0.0)) for phase in PHASES}
 
 
 def timed(run: Callable[[], Any]) -> float:
@@ -205,8 +224,11 @@ def measure(
             if deltas is not None:
                 sender.deltas = deltas
             sender.refit(before)  # untimed: the backend and the record on the previous step
+            phases_before = phase_totals(sender.backend)
             seconds = timed(lambda s=sender, w=weights: s.refit(after if w is None else w))
-            results[name].add(seconds, sender.last_size)
+            phases_after = phase_totals(sender.backend)
+            took = {p: phases_after[p] - phases_before[p] for p in PHASES}
+            results[name].add(seconds, sender.last_size, took)
     for name, timing in results.items():
         print(f"  {label:12s} {name:28s} {_summary(timing)}", flush=True)
     return results
@@ -221,12 +243,20 @@ def _summary(timing: Timed) -> str:
             f"({statistics.median(timing.sent) / statistics.median(timing.whole):.1%} of whole), "
             f"{statistics.median(timing.deltas):.0%} of tensors as deltas"
         )
+    phases = {p: statistics.median(v) for p, v in timing.phases.items() if v}
+    if phases:
+        trainer = statistics.median(secs) - sum(phases.values())
+        text += "; " + ", ".join(f"{p} {v:.3f}" for p, v in phases.items())
+        text += f", the rest (trainer and transport) {trainer:.3f} s"
     return text
 
 
 def collective_and_shm(args: argparse.Namespace, path: str, before: dict, after: dict) -> list:
     rows = []
-    plain, keeping = vllm_backend(path, False), vllm_backend(path, True)
+    (plain, plain_cluster), (keeping, keeping_cluster) = (
+        vllm_backend(path, False),
+        vllm_backend(path, True),
+    )
     paths = set(args.paths.split(","))
     try:
         print(
@@ -275,6 +305,8 @@ def collective_and_shm(args: argparse.Namespace, path: str, before: dict, after:
     finally:
         plain.shutdown()
         keeping.shutdown()
+        keeping_cluster.shutdown()
+        plain_cluster.shutdown()
     return rows
 
 
@@ -330,6 +362,11 @@ def _rows(path: str, lr: float, share: float, result: dict[str, Timed]) -> list[
                     else None
                 ),
                 "delta_share": statistics.median(timing.deltas) if timing.deltas else None,
+                **{
+                    f"{p}_seconds_median": statistics.median(v)
+                    for p, v in timing.phases.items()
+                    if v
+                },
             }
         )
     return out

@@ -48,7 +48,7 @@ from gen_testkit.routing import reference_routing
 from gen_vllm.engine import EngineLimits, StepOutput
 from gen_vllm.extension import UpdatableVllmInternalWorker
 from gen_vllm.receive import receive_load, whole_tensors
-from gen_vllm.staging import stage_entries
+from gen_vllm.staging import EngineLoads
 
 _GARBAGE = float("nan")  # what unmapped, re-mapped memory reads as
 
@@ -326,6 +326,7 @@ class FakeRank(UpdatableVllmInternalWorker):
         self.corrupt_next_load: str | None = None  # "plain" or "packed": corrupt the next load
         self._updating = False
         self.weight_transfer_engine = _FakeTransferEngine()
+        self.weight_transfer_engine.load = self.load
         self.version = 0
         self._backup: dict[str, torch.Tensor] | None = None
         # Like a GPU UUID: which placement group and bundle (or visible GPU) this rank holds.
@@ -356,6 +357,7 @@ class FakeRank(UpdatableVllmInternalWorker):
         self._updating = True
         self.weight_transfer_engine.received = []
         self.weight_transfer_engine.staged = False
+        self.weight_transfer_engine.loads.begin()
         if self.weight_transfer_engine.committed is not None:
             self.weight_transfer_engine.committed.begin()
 
@@ -364,9 +366,11 @@ class FakeRank(UpdatableVllmInternalWorker):
             raise RuntimeError("start_weight_update must be called before update_weights.")
         engine = self.weight_transfer_engine
         for bucket in receive_load(update_info, device_uuid=None, group=engine.group):
-            if engine.committed is not None:  # staged until the finish (staging.py)
+            if engine.committed is not None:  # staged; loaded while deltas (staging.py)
                 engine.staged = True
-                stage_entries(engine.committed, bucket.entries)
+                now = engine.loads.stage(engine.committed, bucket.entries)
+                if now:
+                    self.load(now)
             else:
                 self.load(whole_tensors(bucket.entries))
             engine.received.append(bucket.checksum)
@@ -378,7 +382,9 @@ class FakeRank(UpdatableVllmInternalWorker):
         engine = self.weight_transfer_engine
         if engine.staged and engine.committed is not None:
             engine.staged = False
-            self.load(engine.committed.staged_items())
+            rest = engine.loads.remaining(engine.committed)
+            if rest:
+                self.load(rest)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         endpoint = CollectiveEndpoint(**init_info["endpoint"])
@@ -431,10 +437,16 @@ class _FakeTransferEngine:
         self.group: Any = None
         self.committed: Any = None
         self.staged = False
+        self.loads = EngineLoads()
+        self.load: Any = None  # the rank's own load, set by the rank
 
     def drop_staged(self) -> None:
         if self.committed is not None:
-            self.committed.rollback()
+            restore = self.loads.drop(self.committed)
+            if restore is None:
+                raise RuntimeError("the engine's weights are unknown")
+            if restore:
+                self.load(restore)
         self.staged = False
 
 

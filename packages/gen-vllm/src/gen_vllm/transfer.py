@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, Weight
 
 from gen_vllm.extension import UpdatableVllmInternalWorker
 from gen_vllm.receive import receive_load, whole_tensors
-from gen_vllm.staging import stage_entries
+from gen_vllm.staging import EngineLoads
 
 __all__ = ["ENGINE_NAME", "GenWeightTransferEngine", "UpdatableVllmInternalWorker"]
 
@@ -61,7 +61,9 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     bucket that carries base weights, so an adapter-only update leaves the model untouched.
 
     ``committed``: with ``vllm_cfg.weight_deltas``, the readable copy of the last committed
-    weights (``staging.py``); every update is then staged there and loaded at its finish.
+    weights (``staging.py``); every update is then staged there, and ``loads`` says when its
+    tensors reach the engine (as their bucket arrives while they come as deltas, else at the
+    finish) and restores them when the update is dropped.
     """
 
     init_info_cls = GenInitInfo
@@ -74,6 +76,7 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         self.group: WeightGroup | None = None
         self.committed: CommittedWeights | None = None
         self.staged = False  # this update wrote into ``committed``
+        self.loads = EngineLoads()
         self._reloading = False
 
     def init_transfer_engine(self, init_info: GenInitInfo) -> None:
@@ -84,26 +87,24 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     def start_weight_update(self) -> None:
         self.received, self.adapter, self._reloading = [], {}, False
         self.staged = False
+        self.loads.begin()
         if self.committed is not None:
             self.committed.begin()
 
     def receive_weights(self, update_info: GenUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         info = {k: v for k, v in vars(update_info).items() if v is not None}
         gpu = _device_uuid(self.device)
         for bucket in receive_load(info, device_uuid=gpu, group=self.group):
             if self.committed is not None:
                 self.staged = True
-                stage_entries(self.committed, bucket.entries)
+                now = self.loads.stage(self.committed, bucket.entries)
+                if now:
+                    self._load(now)
                 self.received.append(bucket.checksum)
                 continue
             base = self._keep_adapter(whole_tensors(bucket.entries))
-            if not self._reloading and not all(map(is_adapter_weight, bucket.names)):
-                initialize_layerwise_reload(self.model)
-                self._reloading = True
-            if self._reloading:
-                cast(Any, self.model).load_weights(base)
+            if self._reloading or not all(map(is_adapter_weight, bucket.names)):
+                self._load(base)
             else:  # an adapter-only bucket: read (and verify) every tensor
                 collections.deque(base, maxlen=0)
             if bucket.shared is not None:
@@ -121,31 +122,58 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
                 yield name, tensor
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        if self.staged and self.committed is not None:  # the commit: load from the copy
+        if self.staged and self.committed is not None:  # what is staged and not loaded yet
             self.staged = False
             try:
-                initialize_layerwise_reload(self.model)
-                cast(Any, self.model).load_weights(self.committed.staged_items())
-                finalize_layerwise_reload(self.model, self.model_config)
+                rest = self.loads.remaining(self.committed)
+                if rest:
+                    self._load(rest)
+                self._end_reload()
             except Exception as exc:  # the engine's weights are now unknown: not a refusal
                 raise RuntimeError(
                     f"loading the staged weights into the engine failed: {exc}"
                 ) from exc
+        self._end_reload()
+
+    def drop_staged(self) -> None:
+        """The update is dropped: the copy undoes it (or, when a tensor came whole, holds no
+        base until a complete update), and the tensors it undid that had reached the engine
+        are loaded again."""
+        if self.committed is not None:
+            restore = self.loads.drop(self.committed)
+            try:
+                self._end_reload()  # layers loaded in part are garbage until reloaded
+                if restore:
+                    self._load(restore)
+                    self._end_reload()
+            except Exception as exc:  # the engine's weights are now unknown: not a refusal
+                raise RuntimeError(
+                    f"restoring the committed weights in the engine failed: {exc}"
+                ) from exc
+            if restore is None:
+                raise RuntimeError(
+                    "a dropped weight update had reached the engine and the copy of the "
+                    "committed weights cannot give them all back: the engine's weights are "
+                    "unknown"
+                )
+        self.staged = False
+
+    def _load(self, tensors: Any) -> None:
+        """Load ``tensors`` into the model, inside one layerwise reload (begun here if none
+        is open; ``_end_reload`` ends it)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if not self._reloading:
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+        cast(Any, self.model).load_weights(tensors)
+
+    def _end_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
-
-    def drop_staged(self) -> None:
-        """The update is dropped before its finish: nothing reaches the engine, and the copy
-        undoes it (or, when a tensor came whole, holds no base until a complete update)."""
-        if self.committed is not None:
-            self.committed.rollback()
-        self.staged = False
 
     def shutdown(self) -> None:
         self.group = None
