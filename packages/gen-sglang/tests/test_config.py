@@ -33,6 +33,8 @@ class TestSglangConfigSchema(ConfigSchemaChecks):
             "timeout_s": st.floats(0.1, 10**4),
             "extra_args": st.lists(st.sampled_from(["--log-level", "warning"]), max_size=2),
             "load_format": st.sampled_from(["auto", "dummy"]),
+            "healing": st.booleans(),
+            "max_replica_restarts": st.integers(0, 100),
         },
     }
     valid[""]["sglang_cfg"] = st.fixed_dictionaries({}, optional=valid["sglang_cfg"])

@@ -1,4 +1,4 @@
-"""A server that dies mid-generate: a typed error within seconds, and no process or
+"""A server that dies mid-generate with healing off: a typed error within seconds, and no process or
 shared-memory file left behind; an owner that dies without a word leaves none either (a normal
 shutdown is checked by ``test_rl_loop``)."""
 
@@ -27,12 +27,15 @@ from gen_testkit.models import TinyModel
 def test_a_server_killed_mid_generate_is_a_typed_error_and_shutdown_leaves_nothing(
     tiny_qwen2: TinyModel,
 ):
+    """Fail-stop (``healing: false``): the loss breaks the backend. Healing is checked by
+    ``test_healing``."""
     config = conformance_config(
         backend="sglang",
         model_name=str(tiny_qwen2.path),
         vocab_size=tiny_qwen2.vocab_size,
         max_new_tokens=400,
         stop_token_ids=[],
+        sglang_cfg={"healing": False},
     )
     backend = SglangGeneration(config)
     server = backend._servers[0]

@@ -28,6 +28,10 @@ class SglangSettings(TypedDict, total=False):
     timeout_s: float  # longest silence of a server within one request (600)
     extra_args: list[str]  # more `sglang.launch_server` arguments, passed as they are ([])
     load_format: Literal["auto", "dummy"]  # "dummy": random weights until the first update
+    # a server that dies costs its rows a re-run on the others and is replaced in the
+    # background (False: a lost server breaks the whole backend, as before) (True)
+    healing: bool
+    max_replica_restarts: int  # replacements the fleet may start over its life; then smaller (16)
 
 
 #: Defaults for every ``sglang_cfg`` key.
@@ -44,6 +48,8 @@ SGLANG_CFG_DEFAULTS: SglangSettings = {
     "timeout_s": 600.0,
     "extra_args": [],
     "load_format": "auto",
+    "healing": True,
+    "max_replica_restarts": 16,
 }
 
 
@@ -93,10 +99,10 @@ def complete_sglang_config(config: Mapping[str, Any]) -> SglangConfig:
         raise GenerationConfigError(
             f"sglang_cfg.extra_args must be a list of strings, got {extra!r}"
         )
-    if not isinstance(cfg["radix_cache"], bool):
-        raise GenerationConfigError(
-            f"sglang_cfg.radix_cache must be true or false, got {cfg['radix_cache']!r}"
-        )
+    for key in ("radix_cache", "healing"):
+        if not isinstance(cfg[key], bool):
+            raise GenerationConfigError(f"sglang_cfg.{key} must be true or false, got {cfg[key]!r}")
+    check_int_setting(cfg, "sglang_cfg", "max_replica_restarts", minimum=0)
     if cfg["load_format"] not in ("auto", "dummy"):
         raise GenerationConfigError(
             f"sglang_cfg.load_format must be 'auto' or 'dummy', got {cfg['load_format']!r}"
