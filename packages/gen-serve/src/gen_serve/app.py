@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,8 @@ __all__ = ["build_app", "sampling_defaults"]
 
 #: Routes an API key does not guard.
 _OPEN = frozenset({"/health"})
+#: Routes served while the server drains: its health, its metrics, and ending requests.
+_WHILE_DRAINING = frozenset({"/health", "/metrics", "/abort_requests"})
 
 
 def build_app(
@@ -43,6 +46,10 @@ def build_app(
         codec: the model's tokenizer; default: read from ``settings.model_path`` when it has
             one (without it only token-id routes work).
         shutdown_backend: shut the backend down when the server stops.
+
+    The server drains (``ServerState.begin_draining``: new requests get 503 at once) from the
+    moment its shutdown begins: the lifespan's shutdown, or earlier where the host calls it
+    (``gen-serve`` does on SIGTERM, before waiting for the requests in flight).
     """
     if codec is None and (Path(settings.model_path) / "tokenizer.json").is_file():
         codec = TextCodec.from_model_dir(settings.model_path)
@@ -57,9 +64,12 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         yield
+        state.runner.drain()  # on the loop: requests held by /pause wake to their 503
         for task in list(state.requests.values()):
             task.cancel()
+        metrics.close()
         if shutdown_backend:
             backend.shutdown()
 
@@ -79,6 +89,8 @@ def build_app(
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
         open_paths=_OPEN,
+        draining=lambda: state.draining,
+        draining_paths=_WHILE_DRAINING,
     )
     return app
 

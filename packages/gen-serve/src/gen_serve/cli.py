@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -131,7 +132,15 @@ def main(argv: list[str] | None = None) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, exiting 0 after a clean stop on SIGTERM or SIGINT (uvicorn raises the
-    signal again once stopped; under Ray's handler that became exit status 15)."""
+    signal again once stopped; under Ray's handler that became exit status 15). The app drains
+    from the signal on (``ServerState.begin_draining``): a request that comes while the
+    requests in flight finish gets 503 at once."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        server_state = getattr(getattr(self.config.app, "state", None), "server", None)
+        if server_state is not None:
+            server_state.begin_draining()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ from gen_serve.codec import IncrementalText
 from gen_serve.errors import ApiError, error_body, status_of
 from gen_serve.protocol import RowExtras, SamplingFields
 from gen_serve.rows import RowPlan, plan_rows
-from gen_serve.runner import RowOutcome, until_disconnected
+from gen_serve.runner import DRAINING_MESSAGE, RETRY_DRAINING_S, RowOutcome, until_disconnected
 from gen_serve.state import ServerState
 
 __all__ = [
@@ -105,13 +105,16 @@ def session_of(request: Request, *given: str | None) -> str | None:
 async def run_plan(
     state: ServerState, request: Request, plan: RowPlan, request_id: str
 ) -> list[RowOutcome]:
-    """Every row of ``plan`` to its end; a client that disconnects first ends them at once."""
+    """Every row of ``plan`` to its end; a client that disconnects first ends them at once.
+    Rows ended by ``/abort_requests`` answer 499; by the server's shutdown, 503."""
     work = asyncio.ensure_future(state.runner.run(plan))
     state.requests[request_id] = work
     try:
         return await until_disconnected(request.receive, work)
     except asyncio.CancelledError as exc:
-        if work.cancelled() and request_id in state.requests:  # aborted through the API
+        if work.cancelled() and request_id in state.requests:  # ended by the server
+            if state.draining:
+                raise ApiError(503, DRAINING_MESSAGE, retry_after=RETRY_DRAINING_S) from exc
             raise ApiError(499, "the request was aborted (/abort_requests)") from exc
         raise
     finally:

@@ -1,32 +1,52 @@
 """Prometheus metrics, under vLLM's names where vLLM has them (dashboards for ``vllm serve``
 read them unchanged), plus the weight version and update times this server adds, and every
-value of the backend's ``get_logger_metrics`` as ``gen:backend_<name>``, read at each scrape."""
+value of the backend's ``get_logger_metrics`` as ``gen:backend_<name>``, read at each scrape.
+
+The backend's values are read on a thread of their own (``ServerMetrics.read_backend``), never
+on the event loop: a backend whose read waits on a lock, or on another process, cannot stall
+the requests in flight. ``/metrics`` and ``/health`` both read them that way."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-__all__ = ["ServerMetrics"]
+__all__ = ["BACKEND_READ_TIMEOUT_S", "ServerMetrics"]
+
+#: The longest a read of the backend's metrics may take before it counts as unanswered.
+BACKEND_READ_TIMEOUT_S = 5.0
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 640)
 _UPDATE_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
 
 
 class ServerMetrics:
-    """One server's metrics, in a registry of its own (several servers may share a process)."""
+    """One server's metrics, in a registry of its own (several servers may share a process).
+
+    Args:
+        model_name: the ``model_name`` label of every metric.
+        backend_metrics: the backend's ``get_logger_metrics`` (None: the backend reports none).
+        read_timeout_s: the longest ``read_backend`` waits for it.
+    """
 
     def __init__(
         self,
         model_name: str,
         backend_metrics: Callable[[], Mapping[str, int | float]] | None = None,
+        *,
+        read_timeout_s: float = BACKEND_READ_TIMEOUT_S,
     ):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-        if backend_metrics is not None:
-            self.registry.register(_BackendMetrics(backend_metrics, labels))
+        self._read = backend_metrics
+        self.read_timeout_s = read_timeout_s
+        self._reader: ThreadPoolExecutor | None = None
+        self._pending: asyncio.Future[Mapping[str, int | float]] | None = None
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
@@ -82,26 +102,65 @@ class ServerMetrics:
     def rejected(self) -> None:
         self.rejections.inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    async def read_backend(self) -> dict[str, int | float]:
+        """The backend's ``get_logger_metrics()`` now (``{}`` when it reports none), read on
+        this server's metrics thread so that the event loop does not wait on it. Callers that
+        come while a read runs share it, so a backend slow to answer holds one thread, never
+        more.
+
+        Raises:
+            TimeoutError: no answer within ``read_timeout_s`` (the read goes on; the next
+                caller waits for the same one).
+            Exception: what the backend's ``get_logger_metrics`` raised.
+        """
+        if self._read is None:
+            return {}
+        loop = asyncio.get_running_loop()
+        pending = self._pending
+        if pending is None or pending.done() or pending.get_loop() is not loop:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="gen-serve-metrics")
+            pending = loop.run_in_executor(self._reader, self._read)
+            self._pending = pending
+        async with asyncio.timeout(self.read_timeout_s):
+            return dict(await asyncio.shield(pending))
+
+    def render(self, backend_values: Mapping[str, int | float] | None = None) -> bytes:
+        """The Prometheus text of every metric, with ``backend_values`` (``read_backend``'s)
+        as ``gen:backend_<name>`` gauges."""
+        text = generate_latest(self.registry)
+        if backend_values:
+            text += generate_latest(_BackendMetrics(backend_values, self._labels))
+        return text
+
+    def close(self) -> None:
+        """Stop the metrics thread (a read still running ends on its own)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._reader = None
 
 
 class _BackendMetrics:
-    """The backend's ``get_logger_metrics``, read at each scrape, as gauges."""
+    """One reading of the backend's ``get_logger_metrics``, as gauges named
+    ``gen:backend_<name>`` (characters Prometheus refuses in a name become ``_``; values that
+    are not numbers are left out)."""
 
-    def __init__(self, read: Callable[[], Mapping[str, int | float]], labels: dict[str, str]):
-        self._read = read
+    def __init__(self, values: Mapping[str, int | float], labels: dict[str, str]):
+        self._values = values
         self._labels = labels
 
-    def describe(self) -> list[GaugeMetricFamily]:
-        return []  # the names are known only once the backend reports
-
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        for name, value in sorted(self._read().items()):
+        for name, value in sorted(self._values.items()):
+            if not isinstance(value, int | float):
+                continue
             family = GaugeMetricFamily(
-                f"gen:backend_{name}",
+                f"gen:backend_{_INVALID.sub('_', name)}",
                 f"the backend's get_logger_metrics()[{name!r}]",
                 labels=list(self._labels),
             )
             family.add_metric(list(self._labels.values()), float(value))
             yield family
+
+
+#: Characters a Prometheus metric name may not hold.
+_INVALID = re.compile(r"[^a-zA-Z0-9_:]")

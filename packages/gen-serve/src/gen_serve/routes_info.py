@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import socket
 import time
 import uuid
@@ -11,11 +12,14 @@ from importlib.metadata import version
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from gen_serve.health import health_answer
 from gen_serve.state import ServerState
 
 __all__ = ["info_router"]
+
+logger = logging.getLogger(__name__)
 
 
 def info_router(state: ServerState) -> APIRouter:
@@ -23,10 +27,28 @@ def info_router(state: ServerState) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        """200 while the backend can generate or is asleep by request; 503 once it is broken
-        or shut down (every call would fail)."""
-        unusable = state.backend.state in ("broken", "shut down")
-        return Response(status_code=503 if unusable else 200)
+        """200 while the backend can generate or is asleep by request (a JSON body saying
+        ``degraded`` when some replica of its fleet is not serving, else empty, as vLLM's);
+        503 while the server drains, once the backend is broken or shut down, or while no
+        replica of its fleet takes rows (``gen_serve.health``)."""
+        metrics: dict[str, int | float] | None = None
+        error: str | None = None
+        if not state.draining:
+            try:
+                metrics = await state.metrics.read_backend()
+            except TimeoutError:
+                error = f"no answer within {state.metrics.read_timeout_s} s"
+            except Exception as exc:  # the backend's own failure, reported in the answer
+                error = f"{type(exc).__name__}: {exc}"
+        answer = health_answer(
+            draining=state.draining,
+            backend_state=state.backend.state,
+            metrics=metrics,
+            metrics_error=error,
+        )
+        if answer.body is None:
+            return Response(status_code=answer.status)
+        return JSONResponse(answer.body, status_code=answer.status)
 
     @router.get("/v1/models")
     async def models() -> Any:
@@ -94,9 +116,23 @@ def info_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics() -> Response:
+        """The server's metrics and the backend's ``get_logger_metrics()`` (read off the event
+        loop; left out, with a warning in the log, when the read fails or takes too long)."""
         state.metrics.weight_version.set(state.backend.weight_version)
         state.metrics.waiting.set(0 if state.runner.admitting.is_set() else state.runner.in_flight)
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        try:
+            backend = await state.metrics.read_backend()
+        except TimeoutError:
+            logger.warning(
+                "/metrics: the backend's get_logger_metrics gave no answer within %s s; its "
+                "values are left out of this scrape",
+                state.metrics.read_timeout_s,
+            )
+            backend = {}
+        except Exception:
+            logger.exception("/metrics: the backend's get_logger_metrics failed; left out")
+            backend = {}
+        return Response(state.metrics.render(backend), media_type="text/plain; version=0.0.4")
 
     return router
 

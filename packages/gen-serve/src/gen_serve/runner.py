@@ -3,7 +3,9 @@
 Every request is one ``generate_stream`` call, so requests run concurrently and a short one is
 never held behind a long one; closing a request's stream (a client that went away) ends its
 rows in the backend. The number of requests in flight is bounded: past the limit the server
-answers 503 at once, so a burst cannot grow memory without bound.
+answers 503 at once, so a burst cannot grow memory without bound. Once the server drains
+(``drain``: it is shutting down) new requests, and requests held at the door by ``/pause``, get
+503 at once; requests already generating go on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,24 @@ from gen_serve.errors import ApiError
 from gen_serve.metrics import ServerMetrics
 from gen_serve.rows import RowPlan
 
-__all__ = ["RowOutcome", "RowStream", "Runner", "until_disconnected"]
+__all__ = [
+    "DRAINING_MESSAGE",
+    "RETRY_DRAINING_S",
+    "RETRY_FULL_S",
+    "RowOutcome",
+    "RowStream",
+    "Runner",
+    "until_disconnected",
+]
+
+#: What a request that comes while the server shuts down is told.
+DRAINING_MESSAGE = (
+    "the server is shutting down and takes no new requests; send this one to another server, "
+    "or retry once this one is back"
+)
+#: ``Retry-After`` seconds: a full server frees a slot soon; a draining one is going away.
+RETRY_FULL_S = 1
+RETRY_DRAINING_S = 5
 
 
 @dataclass
@@ -82,6 +101,8 @@ class Runner:
         #: Requests held at the door while the server is paused (``/pause``).
         self.admitting = asyncio.Event()
         self.admitting.set()
+        #: The server is shutting down: no request starts any more (``drain``).
+        self.draining = False
         #: ``with_sampling`` front ends by staleness bound (``RowExtras.max_weight_staleness``).
         self._front_ends: dict[int, GenerationInterface] = {}
 
@@ -89,15 +110,17 @@ class Runner:
         """Every event of ``plan``'s rows as it comes; each row's last has its outcome final.
 
         Raises:
-            ApiError: 503 when too many requests are in flight.
+            ApiError: 503 when too many requests are in flight, or the server drains.
             GenerationError: the backend refused or failed the call.
         """
+        self._refuse_if_draining()
         if self.in_flight >= self.max_requests:
             self.metrics.rejected()
             raise ApiError(
                 503,
                 f"the server has {self.in_flight} requests in flight, its limit "
                 "(--max-requests); retry later",
+                retry_after=RETRY_FULL_S,
             )
         self.in_flight += 1
         started = time.perf_counter()
@@ -107,6 +130,7 @@ class Runner:
         finished = False
         try:
             await self.admitting.wait()
+            self._refuse_if_draining()
             events = self._bounded(plan.max_weight_staleness).generate_stream(plan.batch)
             try:
                 async for event in events:
@@ -128,6 +152,16 @@ class Runner:
                 sum(len(o.token_ids) for o in outcomes),
                 [o.finish_reason or "abort" for o in outcomes] if finished else ["abort"],
             )
+
+    def drain(self) -> None:
+        """The server is shutting down: refuse new requests, and release those held by
+        ``/pause`` with the same 503. Call on the server's event loop."""
+        self.draining = True
+        self.admitting.set()
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise ApiError(503, DRAINING_MESSAGE, retry_after=RETRY_DRAINING_S)
 
     def _bounded(self, max_staleness: int | None) -> GenerationInterface:
         """The backend, or its front end with the request's staleness bound."""

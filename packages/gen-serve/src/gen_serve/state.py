@@ -72,6 +72,26 @@ class ServerState:
     update_started: float | None = None
     #: The version the open update commits (``/start_weight_update`` answers it).
     update_target: int | None = None
+    #: The event loop that serves the requests, known once the server has started.
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def draining(self) -> bool:
+        """The server is shutting down (``begin_draining``)."""
+        return self.runner.draining
+
+    def begin_draining(self) -> None:
+        """The server is shutting down: from now on ``/health`` answers 503, every request but
+        ``/health``, ``/metrics`` and ``/abort_requests`` gets 503 at once (with
+        ``Retry-After``), and so do requests held by ``/pause``; requests already generating go
+        on. Safe to call from any thread and from a signal handler; calling it again does
+        nothing more."""
+        self.runner.draining = True  # the guard and new requests see it at once
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.runner.drain)  # wakes the requests held by /pause
+        else:
+            self.runner.drain()
 
     @functools.cached_property
     def fingerprint(self) -> str:
