@@ -2,7 +2,8 @@
 it would in process.
 
 A gen-serve server names the ``gen_interface`` error class of every backend error
-(``error.gen_error``): the client raises that class with the server's message. Other errors, and
+(``error.gen_error``): the client raises that class with the server's message (and, for
+``RowLostError``, the rows it names). Other errors, and
 vLLM's own server, are mapped by status: 400 is the caller's input, 409 a refused weight update,
 501 a capability the server lacks, anything else a failed call. A server that cannot be reached
 is ``BackendUnavailableError``; one that stops answering or drops the connection mid-call is a
@@ -20,6 +21,7 @@ from gen_interface import (
     GenerationConfigError,
     GenerationError,
     GenerationInputError,
+    RowLostError,
     WeightUpdateError,
 )
 from gen_interface import errors as interface_errors
@@ -55,6 +57,10 @@ def error_from_answer(status: int, body: Any, where: str) -> Exception:
         message, named = (str(body)[:2000] or f"HTTP {status}"), None
     text = f"{message} ({where} answered {status})"
     cls = getattr(interface_errors, named, None) if isinstance(named, str) else None
+    if cls is RowLostError:  # the rows it names, as the server sent them
+        rows = error.get("rows") if isinstance(error, dict) else None
+        lost = tuple(int(r) for r in rows) if isinstance(rows, list) else ()
+        return RowLostError(text, lost)
     if isinstance(cls, type) and issubclass(cls, GenerationError):
         return cls(text)
     if status == 501:
