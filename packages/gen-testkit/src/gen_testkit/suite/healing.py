@@ -36,7 +36,7 @@ import pytest
 import torch
 from gen_interface import BatchedDataDict, GenerationInterface
 from gen_interface.weights import refit
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from gen_testkit.compare import compare_generations
@@ -48,8 +48,13 @@ __all__ = ["HealingChecks", "ReplicaFaults"]
 
 SERVING = 0  # ReplicaState.SERVING as the metrics report it
 
-#: Few examples: each one loses a replica and waits for its replacement.
-healing_settings = settings(property_settings, max_examples=max(2, settings().max_examples // 5))
+#: Few examples, and no shrinking: each example loses a replica and waits for its replacement
+#: (a failure is reported as drawn).
+healing_settings = settings(
+    property_settings,
+    max_examples=max(2, settings().max_examples // 5),
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
 
 
 @runtime_checkable
