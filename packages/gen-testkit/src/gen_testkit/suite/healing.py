@@ -52,7 +52,7 @@ SERVING = 0  # ReplicaState.SERVING as the metrics report it
 #: (a failure is reported as drawn).
 healing_settings = settings(
     property_settings,
-    max_examples=max(2, settings().max_examples // 5),
+    max_examples=max(2, settings().max_examples // 10),
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
 )
 
