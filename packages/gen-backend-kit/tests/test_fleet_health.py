@@ -89,3 +89,30 @@ def test_bad_sizes_are_refused():
         FleetHealth(0, max_restarts=1)
     with pytest.raises(ValueError, match="max_restarts must be >= 0"):
         FleetHealth(2, max_restarts=-1)
+
+
+def test_an_admitted_replica_is_never_seen_serving_without_its_version(caplog):
+    """A reader of the metrics at the moment of admission (here: the transition's own log
+    record, written just after the state changed) sees the replica serving at its version,
+    never serving at -1 (unverified)."""
+    fleet = FleetHealth(2, max_restarts=1, weight_version=3)
+    fleet.move(0, S.DEAD, "lost")
+    fleet.move(0, S.RESTARTING, "replacement")
+    fleet.move(0, S.STALE, "engine up")
+    seen: list[tuple[int | float, int | float]] = []
+
+    class Reader(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "serving" in record.getMessage():
+                metrics = fleet.metrics()
+                seen.append((metrics["replica_0_state"], metrics["replica_0_weight_version"]))
+
+    reader = Reader()
+    logger = logging.getLogger("gen_backend_kit.fleet_health")
+    logger.addHandler(reader)
+    try:
+        with caplog.at_level(logging.INFO, logger="gen_backend_kit.fleet_health"):
+            fleet.admit(0, 3)
+    finally:
+        logger.removeHandler(reader)
+    assert seen == [(int(S.SERVING), 3)]

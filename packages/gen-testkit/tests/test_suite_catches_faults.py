@@ -1,8 +1,9 @@
 """A suite that cannot fail proves nothing: run it against one broken backend per property.
 
 ``FAULTS`` maps each fault to the n-gram backend class that has it and the suite tests that must
-catch it; every class differs from ``NgramGeneration`` in exactly one behaviour. The suite runs
-against all of them in a separate pytest process, and each fault must fail its tests.
+catch it; every class differs from ``NgramGeneration`` in exactly one behaviour, or, for the
+healing checks (``gen_testkit.suite.healing``), from the n-gram fleet ``NgramFleet``. The suite
+runs against all of them in a separate pytest process, and each fault must fail its tests.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
+from gen_backend_kit import GenerationCall
 from gen_backend_kit.weights import CommittedWeights, read_shared_weights
 from gen_interface import GenerationError, MixedWeightsError
 from gen_interface.weights import apply_delta, bytes_checksum
 from gen_testkit.ngram import NgramGeneration
+from gen_testkit.ngram.fleet import NgramFleet
 
 
 class _OutputFault(NgramGeneration):
@@ -320,8 +323,37 @@ class AsyncDropsARow(NgramGeneration):
             await asyncio.sleep(0)
 
 
+class RerunWithAnotherSeed(NgramFleet):
+    """Re-runs a lost replica's rows with other seeds: a re-run row differs from the row the
+    fault-free call returns."""
+
+    def _share_call(self, call, rows, rerun):
+        sub = super()._share_call(call, rows, rerun)
+        if not rerun:
+            return sub
+        reseeded = [dataclasses.replace(row, seed=row.seed + 1) for row in sub.sampling.rows]
+        return GenerationCall(sub.prompts, dataclasses.replace(sub.sampling, rows=tuple(reseeded)))
+
+
+class AdmittedUnverified(NgramFleet):
+    """Admits a replacement as soon as it is built: serving at the fleet's version, without
+    taking the fleet's weights or checking them (it holds the checkpoint's)."""
+
+    def _admit(self, index, replacement):
+        self._install(index, replacement)
+
+
+class RefitSkipsAReplica(NgramFleet):
+    """Writes an update's loads to every member but the last, then commits it on all: one
+    replica serves the old weights, reporting the new version."""
+
+    def _loading_members(self):
+        members = super()._loading_members()
+        return members[:-1] if len(members) > 1 else members
+
+
 # fault -> (backend class, logprobs mode, the suite tests that must fail)
-FAULTS: dict[str, tuple[type[NgramGeneration], str, set[str]]] = {
+FAULTS: dict[str, tuple[type[NgramGeneration] | type[NgramFleet], str, set[str]]] = {
     "logprobs in float64": (LogprobsInFloat64, "raw", {"test_output_layout"}),
     "prompt dropped": (PromptDropped, "raw", {"test_prompt_kept"}),
     "pads with 1": (PadsWithOne, "raw", {"test_padding_and_zero_logprobs"}),
@@ -405,6 +437,24 @@ FAULTS: dict[str, tuple[type[NgramGeneration], str, set[str]]] = {
         "raw",
         {"test_a_row_the_engine_fails_is_an_error_never_a_length_cut_off"},
     ),
+    "re-run row differs": (
+        RerunWithAnotherSeed,
+        "raw",
+        {"test_a_call_that_loses_a_replica_returns_what_the_call_without_the_fault_returns"},
+    ),
+    "replacement admitted unverified": (
+        AdmittedUnverified,
+        "raw",
+        {"test_a_replacement_serves_only_at_the_fleet_version_and_with_the_fleet_s_weights"},
+    ),
+    "replica serves a stale version": (
+        RefitSkipsAReplica,
+        "raw",
+        {
+            "test_a_healed_fleet_serves_at_the_fleet_version_and_the_next_refit_reaches_every_replica",
+            "test_after_a_refit_no_replica_serves_an_older_version",
+        },
+    ),
 }
 
 
@@ -416,6 +466,8 @@ from test_suite_catches_faults import FAULTS
 from test_ngram_conformance import ngram_subject
 from gen_testkit.conformance import GenerationConformanceSuite
 from gen_testkit.suite.in_flight import InFlightUpdateChecks
+from test_ngram_fleet import ngram_fleet_subject
+from gen_testkit.suite.healing import HealingChecks
 """
 
 #: Only whether each test fails matters here, not its smallest failing example: skip shrinking.
@@ -446,12 +498,32 @@ class TestFault{index}(GenerationConformanceSuite, InFlightUpdateChecks):
         yield from ngram_subject(mode, backend_cls=backend_cls, in_flight=True)
 """
 
+#: A fault of the fleet: the healing checks.
+_HEALING_CLASS = """
+class TestFault{index}(HealingChecks):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls):
+        backend_cls, _, _ = FAULTS[{fault!r}]
+        yield from ngram_fleet_subject(backend_cls=backend_cls)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def replica_faults(cls, subject):
+        return subject.backend
+"""
+
+
+def _test_class(index: int, fault: str) -> str:
+    template = _HEALING_CLASS if issubclass(FAULTS[fault][0], NgramFleet) else _CLASS
+    return template.format(index=index, fault=fault)
+
 
 def test_every_fault_fails_the_tests_that_guard_against_it(pytester):
     faults = sorted(FAULTS)
     pytester.makeconftest(_NO_SHRINKING)
     pytester.makepyfile(
-        test_faults=_HEADER + "".join(_CLASS.format(index=i, fault=f) for i, f in enumerate(faults))
+        test_faults=_HEADER + "".join(_test_class(i, f) for i, f in enumerate(faults))
     )
     selection = " or ".join(
         f"(TestFault{i} and {name})" for i, fault in enumerate(faults) for name in FAULTS[fault][2]

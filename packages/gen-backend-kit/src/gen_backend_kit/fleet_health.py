@@ -146,6 +146,13 @@ class FleetHealth:
         Raises:
             IllegalTransitionError: the state machine has no such transition.
         """
+        return self._move(replica, to, reason, None)
+
+    def _move(
+        self, replica: int, to: ReplicaState, reason: str, weight_version: int | None
+    ) -> bool:
+        """``move``, setting the replica's ``weight_version`` in the same step when given (an
+        admission: no reader sees it serving without its version)."""
         with self._lock:
             record = self._replicas[replica]
             if record.state is to:
@@ -163,6 +170,8 @@ class FleetHealth:
                 self.restarts += 1
             if to not in _MEMBERS:
                 record.weight_version = None  # what it holds is unknown until verified
+            elif weight_version is not None:
+                record.weight_version = weight_version
             if was_member != (to in _MEMBERS):
                 self.epoch += 1
         logger.info("replica %d: %s (%s)", replica, to.name.lower(), reason)
@@ -200,9 +209,12 @@ class FleetHealth:
         Raises:
             IllegalTransitionError: it is not stale.
         """
-        self.move(replica, ReplicaState.SERVING, f"admitted at weight version {weight_version}")
-        with self._lock:
-            self._replicas[replica].weight_version = weight_version
+        self._move(
+            replica,
+            ReplicaState.SERVING,
+            f"admitted at weight version {weight_version}",
+            weight_version,
+        )
 
     def set_version(self, weight_version: int) -> None:
         """An update committed on every member: they all serve ``weight_version`` now."""
