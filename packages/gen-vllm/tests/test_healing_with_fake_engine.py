@@ -226,12 +226,14 @@ def test_a_row_that_already_streamed_tokens_gets_a_typed_retryable_error_naming_
     async def stream() -> None:
         async for event in view.generate_stream(pad_prompts([[5, 6, 7], [9, 9]], "left")):
             seen.setdefault(event.index, []).extend(event.token_ids)
-            if sum(len(t) for t in seen.values()) >= 4 and _alive(pids[0]):
+            # both rows (one per replica) have streamed tokens: replica 0's row is then lost,
+            # whichever of the two the router gave it (on a busy machine one row may start late)
+            if len(seen) == 2 and all(seen.values()) and _alive(pids[0]):
                 os.kill(pids[0], signal.SIGKILL)
 
-    with pytest.raises(RowLostError, match=r"row\(s\) \[0\].*run those rows again") as caught:
+    with pytest.raises(RowLostError, match=r"row\(s\) \[[01]\].*run those rows again") as caught:
         asyncio.run(stream())
-    assert caught.value.rows == (0,) and caught.value.retryable
+    assert caught.value.rows in ((0,), (1,)) and caught.value.retryable
     assert backend.get_logger_metrics()["fleet_rows_lost_total"] == 1
     assert backend.fleet.wait_settled(SETTLE_S)
     again = view.with_sampling(max_new_tokens=8).generate(pad_prompts([[5, 6, 7]], "left"))
