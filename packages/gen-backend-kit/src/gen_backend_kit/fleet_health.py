@@ -223,6 +223,31 @@ class FleetHealth:
                 if record.state in _MEMBERS:
                     record.weight_version = weight_version
 
+    def replacement_failed(self, replica: int, reason: str) -> bool:
+        """A replacement of ``replica`` failed (``reason``): it is dead again. Returns True when
+        another may start (the replica is then restarting), False when restarts are spent."""
+        self.kill(replica, f"its replacement failed: {reason}")
+        logger.warning("the replacement of replica %d failed: %s", replica, reason)
+        if not self.may_restart(replica):
+            return False
+        self.move(replica, ReplicaState.RESTARTING, "another replacement")
+        return True
+
+    def settled(self) -> bool:
+        """No replacement is under way (no replica restarting or stale)."""
+        with self._lock:
+            busy = (ReplicaState.RESTARTING, ReplicaState.STALE)
+            return not any(record.state in busy for record in self._replicas)
+
+    def wait_settled(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.settled():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
     def metrics(self) -> dict[str, int | float]:
         """``fleet_*`` counts and each replica's state (``ReplicaState`` values) and weight
         version (-1: none verified), for ``get_logger_metrics()``."""

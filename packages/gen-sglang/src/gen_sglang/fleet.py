@@ -253,11 +253,8 @@ class ServerFleet(Generic[S]):
                     self._starting.pop(replica, None)
                 if self._closed.is_set():
                     return
-                self.health.kill(replica, f"its replacement failed: {exc}")
-                logger.warning("the replacement of replica %d failed: %s", replica, exc)
-                if not self.health.may_restart(replica):
+                if not self.health.replacement_failed(replica, str(exc)):
                     return
-                self.health.move(replica, ReplicaState.RESTARTING, "another replacement")
 
     def _admit(self, replica: int, server: S) -> None:
         """Bring ``server`` to the fleet's weights, verify them and admit it.
@@ -340,17 +337,11 @@ class ServerFleet(Generic[S]):
 
     def settled(self) -> bool:
         """No replacement is under way."""
-        busy = (ReplicaState.RESTARTING, ReplicaState.STALE)
-        return not any(self.health.state(i) in busy for i in range(self.health.size))
+        return self.health.settled()
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.settled():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
+        return self.health.wait_settled(timeout_s, _POLL_S)
 
     def close(self) -> None:
         """Stop watching and replacing; stop replacements not yet admitted and wait for the

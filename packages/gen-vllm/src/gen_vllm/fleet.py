@@ -178,11 +178,8 @@ class Fleet:
                 self._starting.pop(replica, None)
                 if self._closed.is_set():
                     return
-                self.health.kill(replica, f"its replacement failed: {exc}")
-                logger.warning("the replacement of replica %d failed: %s", replica, exc)
-                if not self.health.may_restart(replica):
+                if not self.health.replacement_failed(replica, str(exc)):
                     return
-                self.health.move(replica, ReplicaState.RESTARTING, "another replacement")
 
     def _admit(self, replica: int, actor: Any, info: WorkerInfo) -> None:
         """Bring ``actor`` to the fleet's weights and admit it; see the module docstring.
@@ -312,19 +309,11 @@ class Fleet:
 
     def settled(self) -> bool:
         """No replacement is under way."""
-        return not any(
-            self.health.state(i) in (ReplicaState.RESTARTING, ReplicaState.STALE)
-            for i in range(self.health.size)
-        )
+        return self.health.settled()
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.settled():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
+        return self.health.wait_settled(timeout_s, _POLL_S)
 
     def close(self) -> None:
         """Stop replacing, and kill replacements not yet admitted (before ``ReplicaSet.

@@ -345,11 +345,8 @@ class NgramFleet(GenerationBackend):
             except Exception as exc:
                 if fleet.closed.is_set():
                     return
-                fleet.health.kill(index, f"its replacement failed: {exc}")
-                logger.warning("the replacement of replica %d failed: %s", index, exc)
-                if not fleet.health.may_restart(index):
+                if not fleet.health.replacement_failed(index, str(exc)):
                     return
-                fleet.health.move(index, ReplicaState.RESTARTING, "another replacement")
 
     def _admit(self, index: int, replacement: NgramGeneration) -> None:
         """Give ``replacement`` the fleet's weights, verify them, and admit it in place of
