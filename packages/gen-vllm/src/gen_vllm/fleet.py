@@ -311,11 +311,14 @@ class Fleet:
         }
 
     def settled(self) -> bool:
-        """No replacement is under way."""
-        return not any(
-            self.health.state(i) in (ReplicaState.RESTARTING, ReplicaState.STALE)
-            for i in range(self.health.size)
-        )
+        """No replacement is under way, nor due: a dead replica with restarts left gets one
+        (a loss, or a replacement's failure, is dead for a moment before the next replacement
+        starts), unless the fleet is closed."""
+        states = [self.health.state(i) for i in range(self.health.size)]
+        if any(s in (ReplicaState.RESTARTING, ReplicaState.STALE) for s in states):
+            return False
+        due = ReplicaState.DEAD in states and self.health.restarts_left > 0
+        return not due or self._closed.is_set()
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
