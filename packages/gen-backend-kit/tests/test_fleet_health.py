@@ -116,3 +116,16 @@ def test_an_admitted_replica_is_never_seen_serving_without_its_version(caplog):
     finally:
         logger.removeHandler(reader)
     assert seen == [(int(S.SERVING), 3)]
+
+
+def test_settled_means_no_replacement_under_way_nor_due():
+    fleet = FleetHealth(2, max_restarts=1)
+    assert fleet.settled()
+    fleet.move(0, S.DEAD, "lost")
+    assert not fleet.settled(), "a dead replica with a restart left is a replacement due"
+    assert fleet.settled(replacements_due=False), "an owner that replaces no more is settled"
+    fleet.move(0, S.RESTARTING, "replacement")
+    assert not fleet.settled() and not fleet.settled(replacements_due=False)
+    assert not fleet.replacement_failed(0, "it would not start"), "no restart was left"
+    assert fleet.state(0) is S.DEAD and fleet.settled(), "restarts spent: it stays dead"
+    assert fleet.wait_settled(0.1)

@@ -25,7 +25,9 @@ Faults for failure tests: ``hang_in`` (method names that never return); ``arm_co
 ``set_fault(log_dir, "rows")`` (every step ends its requests with vLLM's ``"error"`` finish
 reason), ``set_fault(log_dir, "step")`` (every step raises, as a failing kernel would) and
 ``set_fault(log_dir, "wedge", pid=...)`` (that engine stops stepping, alive and silent, as a
-wedged one does, until the fault is off);
+wedged one does, until the fault is off), ``set_fault(log_dir, "load")`` (each weight load
+stalls after logging its ``update`` event, until the fault is off: a seam for killing an
+engine mid-load);
 ``batch_variant`` (each request's logits shift in the last bits with the number of requests
 running beside it, as GPU kernels' results shift with batch shape).
 """
@@ -92,7 +94,7 @@ def set_fault(
     log_dir: str | os.PathLike[str], fault: str, on: bool = True, pid: int | None = None
 ) -> None:
     """Turn a fault of every engine logging to ``log_dir`` (or of the one in process ``pid``)
-    on or off: ``"rows"``, ``"step"`` or ``"wedge"``."""
+    on or off: ``"rows"``, ``"step"``, ``"wedge"`` or ``"load"``."""
     flag = Path(log_dir) / (f"fault.{fault}" if pid is None else f"fault.{fault}.{pid}")
     if on:
         flag.touch()
@@ -216,6 +218,8 @@ class FakeEngine:
         if method == "update_weights":
             self._maybe_hang("update")
             self._log("update", mapped=[r.weights_mapped for r in self.ranks])
+            while self._fault("load"):  # a load that stalls, holding the update open
+                time.sleep(0.05)
             armed = Path(self._factory.log_dir) / _ARMED
             if armed.exists() and self._claim("corrupt"):
                 self.ranks[-1].corrupt_next_load = armed.read_text()

@@ -1,8 +1,9 @@
 """A fleet that heals, on the fake engine through the real backend: a worker killed or wedged
 mid-call costs its rows a re-run (the call returns what a fault-free call returns), the fleet
 gets back to full size at the fleet's weights (not the checkpoint's), a later refit reaches
-every replica; with no replica left, calls fail at once with a typed error; fail-stop stays
-as it was when chosen."""
+every replica; a replica killed during a refit misses it and its replacement joins at the new
+version; a replacement killed during its own weight load is replaced again; with no replica
+left, calls fail at once with a typed error; fail-stop stays as it was when chosen."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import time
 
 import pytest
 import torch
-from fake_vllm_engine import set_fault
+from fake_vllm_engine import read_events, set_fault
+from gen_backend_kit.fleet_health import ReplicaState
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 from gen_interface.weights import refit
 from gen_testkit.strategies import pad_prompts, score_batch
+from gen_vllm.refit import weights_differ
 
 #: Rows long enough that a fault lands while they run: 12 rows of 48 sampled tokens.
 PROMPTS = [[5 + i, 17, 42 + i, 8] for i in range(12)]
@@ -67,6 +70,20 @@ def _in_thread(work):
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
+
+
+def _wait_until(check, what: str, timeout_s: float = SETTLE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _weight_reports(backend) -> list:
+    import ray
+
+    return ray.get([actor.weight_report.remote() for actor in backend.replicas.actors])
 
 
 def _wait_rows(backend, replica: int, timeout_s: float = 30) -> None:
@@ -130,6 +147,101 @@ def test_a_worker_killed_mid_call_costs_a_re_run_and_the_fleet_heals_at_the_flee
     metrics = backend.get_logger_metrics()
     assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == newer
     assert backend.rows_in_flight() == [0, 0]
+
+
+class _KillBeforeCommit:
+    """``backend``, except that its next commit first SIGKILLs ``replica``'s worker (every load
+    written, the transaction open) and waits until that replica's replacement engine is up,
+    so the replacement meets the open update."""
+
+    def __init__(self, backend, replica: int):
+        self._backend = backend
+        self._replica = replica
+        self.killed: int | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def commit_weight_update(self) -> int:
+        backend, replica = self._backend, self._replica
+        pid = backend.replicas.infos[replica]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_dead(pid)
+        self.killed = pid
+        _wait_until(
+            lambda: backend.fleet.health.state(replica) == ReplicaState.STALE,
+            f"replica {replica}'s replacement engine starting",
+        )
+        return backend.commit_weight_update()
+
+
+def test_a_replica_killed_during_a_refit_misses_it_and_its_replacement_joins_at_the_new_version(
+    own, tiny_qwen2, new_weights
+):
+    """Replica 0's worker dies after the loads, before the commit: the refit commits on the
+    survivor; the replacement, up while the update is open, waits for it and takes the new
+    version from the survivor's copy (not the version of before, nor the checkpoint), verified
+    equal; every row of a later call carries the new version."""
+    backend = own.backend(own.cluster([2]), tiny_qwen2, weight_deltas=True)
+    before = refit(backend, new_weights(4))
+    _generate(backend)  # the replicas' streams are read from a first call on: a death is seen
+    killing = _KillBeforeCommit(backend, 0)
+    version = refit(killing, new_weights(5))
+    assert killing.killed is not None and version == before + 1
+    assert backend.get_logger_metrics()["replica_1_weight_version"] == version
+    reference = _generate(backend)
+    assert set(reference["weight_versions"][:, 4:].flatten().tolist()) == {version}
+
+    assert backend.fleet.wait_settled(SETTLE_S)
+    metrics = backend.get_logger_metrics()
+    assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_restarts_total"] == 1
+    assert metrics["fleet_faults_total"] == 1
+    assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == version
+    assert backend.replicas.infos[0]["pid"] != killing.killed
+    replacement, survivor = _weight_reports(backend)
+    assert weights_differ(survivor, replacement) is None
+    _same(_generate(backend), reference)
+    after = _long(backend).generate(pad_prompts(PROMPTS * 2, "left"), greedy=True)
+    assert set(after["weight_versions"][:, 4:].flatten().tolist()) == {version}
+    assert backend.rows_in_flight() == [0, 0]
+
+
+def test_a_replacement_killed_during_its_weight_load_is_replaced_again(
+    own, tiny_qwen2, new_weights
+):
+    """After a refit, replica 0 dies; its replacement's load of the fleet's weights stalls and
+    its worker is SIGKILLed there: a second replacement follows (two restarts counted) and the
+    fleet ends full at the fleet's version, serving what it served before."""
+    backend = own.backend(own.cluster([2]), tiny_qwen2, weight_deltas=True)
+    version = refit(backend, new_weights(6))
+    reference = _generate(backend)
+    first = {info["pid"] for info in backend.replicas.infos}
+
+    set_fault(own.log_dir, "load")  # every load stalls now: only a replacement's comes
+    os.kill(backend.replicas.infos[0]["pid"], signal.SIGKILL)
+    loading: list[int] = []
+
+    def replacement_loading() -> bool:
+        events = read_events(own.log_dir)
+        loading[:] = [e["pid"] for e in events if e["event"] == "update" and e["pid"] not in first]
+        return bool(loading)
+
+    _wait_until(replacement_loading, "a replacement's weight load")
+    os.kill(loading[0], signal.SIGKILL)
+    assert _wait_dead(loading[0])
+    set_fault(own.log_dir, "load", on=False)
+
+    _wait_until(
+        lambda: backend.get_logger_metrics()["fleet_restarts_total"] == 2, "a second replacement"
+    )
+    assert backend.fleet.wait_settled(SETTLE_S)
+    metrics = backend.get_logger_metrics()
+    assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_faults_total"] == 1
+    assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == version
+    assert backend.replicas.infos[0]["pid"] not in first | {loading[0]}
+    reports = _weight_reports(backend)
+    assert weights_differ(reports[1], reports[0]) is None
+    _same(_generate(backend), reference)
 
 
 def test_a_wedged_replica_is_killed_within_the_bound_and_its_rows_run_elsewhere(own, tiny_qwen2):

@@ -233,16 +233,26 @@ class FleetHealth:
         self.move(replica, ReplicaState.RESTARTING, "another replacement")
         return True
 
-    def settled(self) -> bool:
-        """No replacement is under way (no replica restarting or stale)."""
+    def settled(self, replacements_due: bool = True) -> bool:
+        """No replacement is under way (a replica restarting or stale), nor due: a dead replica
+        while restarts are left gets one (a loss, or a replacement's failure, is dead for a
+        moment before the next replacement starts). ``replacements_due`` False: the owner
+        replaces no more (it closed), so a dead replica stays dead."""
         with self._lock:
-            busy = (ReplicaState.RESTARTING, ReplicaState.STALE)
-            return not any(record.state in busy for record in self._replicas)
+            states = [record.state for record in self._replicas]
+            restarts_left = self.restarts_left
+        if any(s in (ReplicaState.RESTARTING, ReplicaState.STALE) for s in states):
+            return False
+        due = ReplicaState.DEAD in states and restarts_left > 0
+        return not (due and replacements_due)
 
-    def wait_settled(self, timeout_s: float, poll_s: float = 0.05) -> bool:
-        """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
+    def wait_settled(
+        self, timeout_s: float, poll_s: float = 0.05, closed: threading.Event | None = None
+    ) -> bool:
+        """Wait until ``settled`` (with replacements due until ``closed`` is set); whether that
+        happened within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while not self.settled():
+        while not self.settled(replacements_due=closed is None or not closed.is_set()):
             if time.monotonic() > deadline:
                 return False
             time.sleep(poll_s)

@@ -337,11 +337,11 @@ class ServerFleet(Generic[S]):
 
     def settled(self) -> bool:
         """No replacement is under way."""
-        return self.health.settled()
+        return self.health.settled(replacements_due=not self._closed.is_set())
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
-        return self.health.wait_settled(timeout_s, _POLL_S)
+        return self.health.wait_settled(timeout_s, _POLL_S, closed=self._closed)
 
     def close(self) -> None:
         """Stop watching and replacing; stop replacements not yet admitted and wait for the

@@ -308,12 +308,13 @@ class Fleet:
         }
 
     def settled(self) -> bool:
-        """No replacement is under way."""
-        return self.health.settled()
+        """No replacement is under way, nor due (unless the fleet is closed): see
+        ``FleetHealth.settled``."""
+        return self.health.settled(replacements_due=not self._closed.is_set())
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
-        return self.health.wait_settled(timeout_s, _POLL_S)
+        return self.health.wait_settled(timeout_s, _POLL_S, closed=self._closed)
 
     def close(self) -> None:
         """Stop replacing, and kill replacements not yet admitted (before ``ReplicaSet.
