@@ -378,3 +378,21 @@ def test_fail_stop_when_chosen_breaks_the_backend_as_before(own, tiny_qwen2):
     with pytest.raises(GenerationError, match="broken"):
         _generate(backend)
     assert "fleet_epoch" not in backend.get_logger_metrics()
+
+
+def test_a_replica_that_dies_while_idle_is_seen_within_seconds_and_replaced(own, tiny_qwen2):
+    """No call has run: the fleet reads every replica's stream from its start, so a worker
+    killed while it holds no rows is lost (and replaced) without waiting for a call."""
+    backend = own.backend(own.cluster([2]), tiny_qwen2)
+    pid = backend.replicas.infos[0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_dead(pid)
+    deadline = time.monotonic() + 30
+    while backend.get_logger_metrics()["fleet_faults_total"] < 1:
+        assert time.monotonic() < deadline, "an idle replica's death went unseen for 30 s"
+        time.sleep(0.1)
+    assert backend.fleet.wait_settled(SETTLE_S)
+    metrics = backend.get_logger_metrics()
+    assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_restarts_total"] == 1
+    assert backend.replicas.infos[0]["pid"] != pid
+    _generate(backend)  # both serve

@@ -162,6 +162,7 @@ class VllmGeneration(GenerationBackend):
         )
         if self.fleet is not None:
             self.fleet.router = self._router
+            self._loop.loop.call_soon_threadsafe(self._router.watch)
         self._delivery = DeliveryTimes()
         self._calls = itertools.count()
         self._updates = ReplicaUpdateSteps(self.replicas, self.fleet)

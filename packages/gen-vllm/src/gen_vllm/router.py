@@ -385,13 +385,27 @@ class RowRouter:
             )
         self._dispatch()
 
+    def watch(self) -> None:
+        """Healing: read every replica's stream and watch for wedges from now on, so that a
+        replica that dies while it holds no rows is seen within seconds, not at the next call
+        that reaches it. Call on the driver's loop."""
+        if self._health is None:
+            return
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
+        for replica in range(len(self._readers)):
+            if self._takes_rows(replica):
+                self._read(replica)
+
     def admit(self, replica: int) -> None:
-        """``replica`` (a replacement, admitted by the fleet) takes rows from now on."""
+        """``replica`` (a replacement, admitted by the fleet) takes rows from now on; its
+        stream is read at once."""
         self._lost[replica] = None
         self._readers[replica] = None
         self.rows[replica] = 0
         self.outstanding[replica] = 0
         self._progress[replica] = asyncio.get_running_loop().time()
+        self._read(replica)
         self._dispatch()
 
     def lose(self, replica: int, why: str) -> None:
