@@ -157,6 +157,19 @@ def test_sampled_rows_draw_as_on_hf_even_when_retracted(
     torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=2e-5)
 
 
+def test_sampled_rows_whose_prefills_outgrow_one_forward_all_come_with_their_choice(
+    sglang_backends: SglangBackends,
+):
+    """600 rows of one 9-token prompt: 5,400 prompt tokens, more than SGLang's chunked-prefill
+    size (4,096). A row whose prefill SGLang split over forwards came back without RowSampler's
+    choice (the call failed); gen-sglang starts its servers with whole prefills."""
+    backend = sglang_backends("processed")
+    prompts = pad_prompts([list(range(40, 49))] * 600, "right")
+    prompts["sample_seeds"] = torch.arange(600) * 7919 + 1
+    out = backend.with_sampling(max_new_tokens=1).generate(prompts, greedy=False)
+    assert out["generation_lengths"].tolist() == [1] * 600
+
+
 def test_a_sampler_failure_in_the_server_fails_the_call_and_the_server_goes_on(
     sglang_backends: SglangBackends,
 ):

@@ -629,6 +629,10 @@ def _server_args(
 ) -> list[str]:
     settings = config["sglang_cfg"]
     args = ["--dtype", dtype, "--weight-version", "0", "--enable-custom-logit-processor"]
+    # Whole prefills: a request whose prefill SGLang splits over forwards (more prompt tokens in
+    # one batch than --chunked-prefill-size) gets no choice from RowSampler; vLLM runs without
+    # chunked prefill here too. The last of repeated flags wins, so extra_args may set it.
+    args += ["--chunked-prefill-size", "-1"]
     # An idle scheduler otherwise polls at 100% of a core, starving whatever runs beside it.
     args += ["--load-format", settings["load_format"], "--random-seed", "0", "--sleep-on-idle"]
     if cpu:
