@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self, cast
 
@@ -84,7 +85,7 @@ from gen_backend_kit.row_sampling import GenerationCall, resolve_sampling
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow, checked_score_input, scatter_scores
 from gen_backend_kit.stepping import RowControl
 from gen_backend_kit.text import TextCodec, generate_text
-from gen_backend_kit.threaded_rows import rows_from_thread
+from gen_backend_kit.threaded_rows import CallThreads, rows_from_thread
 from gen_backend_kit.weights.consumer import (
     TensorSpecs,
     check_update_is_complete,
@@ -96,6 +97,11 @@ from gen_backend_kit.weights.consumer import (
 from gen_backend_kit.weights.updates import LoadWait, WeightUpdates, WeightUpdateSteps
 
 __all__ = ["GenerationBackend", "GenerationCall"]
+
+logger = logging.getLogger(__name__)
+
+#: The longest a shutdown waits for calls still running on threads of their own to end.
+_CALL_STOP_S = 30.0
 
 
 class GenerationBackend(GenerationInterface):
@@ -158,6 +164,8 @@ class GenerationBackend(GenerationInterface):
             weights_absent=weights_absent,
         )
         self._metrics = GenerationMetrics()
+        self._call_threads = CallThreads()  # shared with ``with_sampling`` front ends
+        self._owns_calls = True  # False on a front end: its shutdown ends no call
         self._weights: WeightUpdates | None = None
         if model_specs is not None:
             self._weights = WeightUpdates(
@@ -236,6 +244,7 @@ class GenerationBackend(GenerationInterface):
         if view.config.get("stop_strings") and not self.has_tokenizer:
             raise GenerationConfigError(self._no_tokenizer("stop_strings"))
         view._lifecycle = self._lifecycle.view()
+        view._owns_calls = False
         return view
 
     # ---- generation ----------------------------------------------------------------------
@@ -368,7 +377,11 @@ class GenerationBackend(GenerationInterface):
 
     def shutdown(self) -> None:
         """Free everything the backend holds (a ``with_sampling`` front end closes only itself).
-        Idempotent."""
+        Calls still running on threads of their own are cancelled and waited for first (up to
+        ``_CALL_STOP_S``). Idempotent."""
+        left = self._call_threads.stop(_CALL_STOP_S) if self._owns_calls else []
+        if left:
+            logger.warning("shutting down while %d call(s) still run: %s", len(left), left)
         self._lifecycle.shutdown()
 
     @contextlib.contextmanager
@@ -508,7 +521,10 @@ class GenerationBackend(GenerationInterface):
                 yield whole_row
             return
         run_rows = functools.partial(self._run_rows, call)
-        async for item in rows_from_thread(run_rows, tokens=tokens, name=type(self).__name__):
+        rows = rows_from_thread(
+            run_rows, tokens=tokens, name=type(self).__name__, threads=self._call_threads
+        )
+        async for item in rows:
             yield item
 
     def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:

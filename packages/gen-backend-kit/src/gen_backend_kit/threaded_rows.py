@@ -4,6 +4,10 @@
 thread of its own and yields, on the caller's event loop, what the loop reports through its
 ``RowControl``: each token (when asked) and each finished row; rows it returns without
 reporting come after it returns. Closing the iterator early cancels the loop and waits for it.
+
+``CallThreads`` holds a backend's running call threads, so that its shutdown cancels them and
+waits for them: a process that exits while one is inside a torch operation aborts ("terminate
+called without an active exception"), as a server stopped mid-request did.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -19,7 +24,42 @@ from gen_interface.events import RowEvent
 from gen_backend_kit.outputs import RowResult
 from gen_backend_kit.stepping import RowControl
 
-__all__ = ["rows_from_thread"]
+__all__ = ["CallThreads", "rows_from_thread"]
+
+
+class CallThreads:
+    """The threads running one backend's calls, each with its call's ``RowControl``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[threading.Thread, RowControl] = {}
+
+    def start(self, target: Callable[[], None], control: RowControl, name: str) -> None:
+        """Run ``target`` on a (daemon) thread of its own, held here until it returns."""
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                with self._lock:
+                    self._running.pop(thread, None)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._running[thread] = control
+        thread.start()
+
+    def stop(self, timeout_s: float) -> list[str]:
+        """Cancel every running call and wait up to ``timeout_s`` in all for their threads;
+        returns the names of those still running."""
+        with self._lock:
+            running = dict(self._running)
+        for control in running.values():
+            control.cancelled.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return [thread.name for thread in running if thread.is_alive()]
 
 
 async def rows_from_thread(
@@ -27,10 +67,11 @@ async def rows_from_thread(
     *,
     tokens: bool,
     name: str,
+    threads: CallThreads | None = None,
 ) -> AsyncIterator[tuple[int, RowEvent | RowResult]]:
     """Yield ``(row index, RowEvent)`` for each token (when ``tokens``) and ``(row index,
     RowResult)`` for each finished row of ``run_rows`` running on a thread named after
-    ``name``.
+    ``name`` (held by ``threads`` while it runs, when given).
 
     Raises:
         Whatever ``run_rows`` raises, once the rows it reported were yielded.
@@ -68,7 +109,10 @@ async def rows_from_thread(
 
     # A thread of its own per call, not a pool's: calls run side by side (in-process
     # backends interleave them step by step), so a short one never waits for a long one.
-    threading.Thread(target=run, name=f"{name}-call", daemon=True).start()
+    if threads is not None:
+        threads.start(run, control, f"{name}-call")
+    else:
+        threading.Thread(target=run, name=f"{name}-call", daemon=True).start()
     finished: set[int] = set()
     try:
         while (item := await queue.get()) is not None:
