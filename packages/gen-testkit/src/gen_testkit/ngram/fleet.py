@@ -29,6 +29,7 @@ Single process, CPU only. Not a registered backend: build it directly, from an `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -118,19 +119,10 @@ class NgramFleet(GenerationBackend):
 
     @property
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(
-            async_generation=True,
-            in_flight_updates=True,
-            token_streaming=True,
-            weight_transports=frozenset({"shm", "state_dict"}),
-            shares_process=True,
-            devices=("cpu",),
-            score=True,
-            notes=(
-                "runs without a tokenizer: stop strings are refused",
-                "a fleet of n-gram replicas that heals (the testkit's reference)",
-            ),
-        )
+        """A replica's, with a note that this is a fleet."""
+        one = self._fleet.replicas[0].capabilities
+        note = "a fleet of n-gram replicas that heals (the testkit's reference)"
+        return dataclasses.replace(one, notes=(*one.notes, note))
 
     @property
     def health(self) -> FleetHealth:
