@@ -47,7 +47,7 @@ from gen_interface.weights import refit
 from gen_testkit.compare import compare_generations
 from gen_testkit.models import build_tiny_model
 from gen_testkit.tolerances import tolerance_for
-from workloads import left_padded
+from workloads import left_padded, sampled_config
 
 REPLICAS = 2
 HEAL_LIMIT_S = 600.0  # a fleet not full again by then: the run stops with an error
@@ -122,25 +122,17 @@ class Fleet:
         try:
             self.backend = VllmGeneration(
                 self.cluster,
-                {
-                    "backend": "vllm",
-                    "model_name": str(model.path),
-                    "max_new_tokens": new,
-                    "temperature": 1.0,
-                    "top_p": 1.0,
-                    "top_k": None,
-                    "stop_token_ids": [],
-                    "pad_token_id": 0,
-                    "seed": 0,
-                    "dtype": "float32",
-                    "logprobs_mode": "raw",
-                    "colocated": {"enabled": False},
-                    "vllm_cfg": {
+                sampled_config(
+                    "vllm",
+                    str(model.path),
+                    new,
+                    colocated={"enabled": False},
+                    vllm_cfg={
                         "cpu_kv_cache_gib": 0.25,
                         "weight_deltas": True,
                         "wedge_timeout_s": wedge_timeout_s,
                     },
-                },
+                ),
                 "heal-bench",
             )
         except BaseException:

@@ -46,7 +46,7 @@ import httpx
 import torch
 from gen_interface import BatchedDataDict, create_generation_backend
 from gen_testkit.models import build_tiny_model
-from workloads import Work, left_padded, random_requests
+from workloads import Work, left_padded, random_requests, sampled_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,21 +101,7 @@ class Ours:
     """``SglangGeneration`` with one server, sampled rows, raw logprobs."""
 
     def __init__(self, model: str, high: int):
-        self.backend: Any = create_generation_backend(
-            {
-                "backend": "sglang",
-                "model_name": model,
-                "max_new_tokens": high,
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": None,
-                "stop_token_ids": [],
-                "pad_token_id": 0,
-                "seed": 0,
-                "dtype": "float32",
-                "logprobs_mode": "raw",
-            }
-        )
+        self.backend: Any = create_generation_backend(sampled_config("sglang", model, high))
 
     def run(self, work: Work) -> tuple[float, int]:
         batch = _batch(work)

@@ -46,7 +46,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 from gen_interface import BatchedDataDict
 from gen_testkit.models import build_tiny_model
-from workloads import left_padded
+from workloads import left_padded, sampled_config
 
 T = TypeVar("T")
 
@@ -197,21 +197,13 @@ class Ours:
         self.cluster = RayVirtualCluster([replicas])
         self.backend = VllmGeneration(
             self.cluster,
-            {
-                "backend": "vllm",
-                "model_name": model,
-                "max_new_tokens": new,
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": None,
-                "stop_token_ids": [],
-                "pad_token_id": 0,
-                "seed": 0,
-                "dtype": "float32",
-                "logprobs_mode": "raw",
-                "colocated": {"enabled": False},
-                "vllm_cfg": {"cpu_kv_cache_gib": _KV_BYTES / (1 << 30)},
-            },
+            sampled_config(
+                "vllm",
+                model,
+                new,
+                colocated={"enabled": False},
+                vllm_cfg={"cpu_kv_cache_gib": _KV_BYTES / (1 << 30)},
+            ),
         )
         self.loop = LoopThread()
 

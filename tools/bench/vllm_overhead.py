@@ -40,6 +40,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch
 from gen_interface import BatchedDataDict
+from workloads import sampled_config
 
 #: A bare ``vllm.LLM`` with the engine settings VllmGeneration uses, and its first token.
 _BARE_ENGINE = """
@@ -184,21 +185,13 @@ def gen_vllm_run(
     """A ``VllmGeneration`` of ``replicas`` engines and a call that samples ``batch`` with it."""
     from gen_vllm import RayVirtualCluster, VllmGeneration
 
-    config = {
-        "backend": "vllm",
-        "model_name": model,
-        "max_new_tokens": args.new,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": [],
-        "pad_token_id": 0,
-        "seed": 0,
-        "dtype": "float32",
-        "logprobs_mode": "raw",
-        "colocated": {"enabled": False},
-        "vllm_cfg": {"cpu_kv_cache_gib": args.kv_gib},
-    }
+    config = sampled_config(
+        "vllm",
+        model,
+        args.new,
+        colocated={"enabled": False},
+        vllm_cfg={"cpu_kv_cache_gib": args.kv_gib},
+    )
     cluster = RayVirtualCluster([replicas])
     backend = VllmGeneration(cluster, config)
 

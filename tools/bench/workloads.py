@@ -1,5 +1,6 @@
 """The benchmarks' requests: random token-id prompts, each with its own token budget and seed,
-and the left-padded batch that carries them to a backend's ``generate``."""
+the left-padded batch that carries them to a backend's ``generate``, and the config every
+benchmark's backend samples with."""
 
 from __future__ import annotations
 
@@ -39,3 +40,23 @@ def left_padded(prompts: list[list[int]]) -> BatchedDataDict[Any]:
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     return BatchedDataDict(input_ids=ids, attention_mask=mask)
+
+
+def sampled_config(backend: str, model: str, max_new_tokens: int, **extra: Any) -> dict[str, Any]:
+    """The config the benchmarks run a backend with: plain sampling at temperature 1 (no top-k
+    or top-p), raw logprobs, float32, no stop tokens, seed 0; ``extra`` adds backend sections
+    (``vllm_cfg`` ...)."""
+    return {
+        "backend": backend,
+        "model_name": model,
+        "max_new_tokens": max_new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": [],
+        "pad_token_id": 0,
+        "seed": 0,
+        "dtype": "float32",
+        "logprobs_mode": "raw",
+        **extra,
+    }
