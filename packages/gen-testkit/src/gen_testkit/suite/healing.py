@@ -27,7 +27,6 @@ properties draw few examples; ``heal_timeout_s`` bounds each healing.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -42,6 +41,7 @@ from hypothesis import strategies as st
 from gen_testkit.compare import compare_generations
 from gen_testkit.strategies import generation_batches, pad_prompts, prompts
 from gen_testkit.suite.base import ConformanceSubject, property_settings
+from gen_testkit.suite.in_thread import InThread
 from gen_testkit.tolerances import tolerance_for
 
 __all__ = ["HealingChecks", "ReplicaFaults"]
@@ -248,7 +248,7 @@ class _Fleet:
         victim held unfinished rows (``fleet_rows_rerun_total`` grew)."""
         for _ in range(3):
             before = self.metrics()
-            call = _InThread(generate)
+            call = InThread(generate)
             deadline = time.monotonic() + self.timeout_s
             while not self.faults.holds_rows(victim) and not call.done.is_set():
                 assert time.monotonic() < deadline, f"replica {victim} never held rows"
@@ -295,32 +295,6 @@ class _Fleet:
         assert states == [(SERVING, version)] * self.size, (
             f"(state, weight version) per replica: {states}; expected all serving at {version}"
         )
-
-
-class _InThread:
-    """Runs ``fn`` on a thread; ``result()`` returns what it returned or raises what it
-    raised."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.done = threading.Event()
-        self._outcome: list[tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                self._outcome.append((True, fn()))
-            except BaseException as exc:
-                self._outcome.append((False, exc))
-            finally:
-                self.done.set()
-
-        threading.Thread(target=run, daemon=True).start()
-
-    def result(self, timeout_s: float) -> Any:
-        assert self.done.wait(timeout_s), f"the call did not finish within {timeout_s} s"
-        ok, value = self._outcome[0]
-        if not ok:
-            raise value
-        return value
 
 
 def _long_rows(backend: GenerationInterface, tokens: int) -> GenerationInterface:

@@ -23,6 +23,7 @@ from gen_interface.weights import refit
 
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.base import ConformanceSubject
+from gen_testkit.suite.in_thread import InThread
 
 __all__ = ["StalenessChecks"]
 
@@ -84,13 +85,13 @@ class StalenessChecks:
         backend = subject.backend
         versions.open_update()  # announces the version it will commit
         try:
-            call = _InThread(lambda: _view(subject, 0).generate(_batch(), greedy=True))
+            call = InThread(lambda: _view(subject, 0).generate(_batch(), greedy=True))
             assert not call.done.wait(0.5), "the call ran on weights an open update replaces"
             versions.load_all_into_the_open_update()
             assert not call.done.is_set(), "the call started before the update committed"
         finally:
             committed = backend.commit_weight_update()
-        out = call.result()
+        out = call.result(DONE_WITHIN_S)
         assert out["weight_version"].tolist() == [committed] * len(PROMPTS)
 
     def test_a_call_waiting_on_an_update_that_is_aborted_is_refused(
@@ -99,12 +100,12 @@ class StalenessChecks:
         backend = subject.backend
         target = versions.open_update()
         try:
-            call = _InThread(lambda: _view(subject, 0).generate(_batch(), greedy=True))
+            call = InThread(lambda: _view(subject, 0).generate(_batch(), greedy=True))
             assert not call.done.wait(0.5)
         finally:
             backend.abort_weight_update()
         with pytest.raises(StaleWeightsError, match=rf"version {target} was announced"):
-            call.result()
+            call.result(DONE_WITHIN_S)
         versions.refit(target)
         assert _view(subject, 0).generate(_batch(), greedy=True).size == len(PROMPTS)
 
@@ -168,32 +169,6 @@ class _Versions:
         assert self.subject.state_dict is not None
         with share_weights(dict(self.subject.state_dict)) as shared:
             self.subject.backend.update_weights_from_ipc_handles(shared.handles)
-
-
-class _InThread:
-    """Runs ``fn`` in a thread; ``result()`` returns what it returned or raises what it raised."""
-
-    def __init__(self, fn: Any):
-        self.done = threading.Event()
-        self._outcome: list[Any] = []
-
-        def run() -> None:
-            try:
-                self._outcome.append((True, fn()))
-            except BaseException as exc:
-                self._outcome.append((False, exc))
-            finally:
-                self.done.set()
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        assert self.done.wait(DONE_WITHIN_S), f"the call did not finish within {DONE_WITHIN_S} s"
-        ok, value = self._outcome[0]
-        if not ok:
-            raise value
-        return value
 
 
 def _view(subject: ConformanceSubject, bound: int | None) -> GenerationInterface:
