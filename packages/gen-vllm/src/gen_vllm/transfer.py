@@ -124,32 +124,19 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     def finish_weight_update(self) -> None:
         if self.staged and self.committed is not None:  # what is staged and not loaded yet
             self.staged = False
-            try:
-                rest = self.loads.remaining(self.committed)
-                if rest:
-                    self._load(rest)
-                self._end_reload()
-            except Exception as exc:  # the engine's weights are now unknown: not a refusal
-                raise RuntimeError(
-                    f"loading the staged weights into the engine failed: {exc}"
-                ) from exc
+            rest = self.loads.remaining(self.committed)
+            self._load_then_end(rest, "loading the staged weights into the engine")
         self._end_reload()
 
     def drop_staged(self) -> None:
         """The update is dropped: the copy undoes it (or, when a tensor came whole, holds no
-        base until a complete update), and the tensors it undid that had reached the engine
-        are loaded again."""
+        base until a complete update); if any of it had reached the engine, the engine loads
+        the whole copy again (``EngineLoads.drop``)."""
         if self.committed is not None:
             restore = self.loads.drop(self.committed)
-            try:
-                self._end_reload()  # layers loaded in part are garbage until reloaded
-                if restore:
-                    self._load(restore)
-                    self._end_reload()
-            except Exception as exc:  # the engine's weights are now unknown: not a refusal
-                raise RuntimeError(
-                    f"restoring the committed weights in the engine failed: {exc}"
-                ) from exc
+            # layers loaded in part hold garbage until reloaded: end that reload first
+            self._load_then_end([], "ending the dropped update's reload")
+            self._load_then_end(restore or [], "restoring the committed weights in the engine")
             if restore is None:
                 raise RuntimeError(
                     "a dropped weight update had reached the engine and the copy of the "
@@ -157,6 +144,19 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
                     "unknown"
                 )
         self.staged = False
+
+    def _load_then_end(self, tensors: Any, what: str) -> None:
+        """Load ``tensors`` (if any) and end the reload.
+
+        Raises:
+            RuntimeError: that failed; the engine's weights are then unknown (not a refusal).
+        """
+        try:
+            if tensors:
+                self._load(tensors)
+            self._end_reload()
+        except Exception as exc:
+            raise RuntimeError(f"{what} failed: {exc}") from exc
 
     def _load(self, tensors: Any) -> None:
         """Load ``tensors`` into the model, inside one layerwise reload (begun here if none
