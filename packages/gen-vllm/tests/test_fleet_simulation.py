@@ -25,20 +25,13 @@ from fake_vllm_engine import FakeEngineFactory
 from gen_interface.weights import refit
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
+from processes import running
 
 SIZE = int(os.environ.get("GEN_FLEET_SIZE", "8"))
 ROUNDS = int(os.environ.get("GEN_FLEET_ROUNDS", "3"))
 CALLS_PER_ROUND = 2  # faulty calls compared with each round's reference
 WEDGE_S = 10.0  # generous: two cores shared with replacements starting
 PROMPTS = [[3 + i % 50, 17, 42 + i % 7, 8] for i in range(3 * SIZE)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _busy_pid(backend, rng: random.Random, call: threading.Thread) -> int | None:
@@ -163,6 +156,6 @@ def test_a_simulated_fleet_under_random_faults_returns_what_a_fault_free_fleet_d
     assert metrics["fleet_rows_lost_total"] == 0  # nothing streamed: every row re-ran
     backend.shutdown()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids_seen) and time.monotonic() < deadline:
+    while any(running(p) for p in pids_seen) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in pids_seen if _alive(p)], "processes left running"
+    assert not [p for p in pids_seen if running(p)], "processes left running"

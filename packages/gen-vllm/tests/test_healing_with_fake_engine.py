@@ -22,25 +22,18 @@ from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 from gen_interface.weights import refit
 from gen_testkit.strategies import pad_prompts, score_batch
 from gen_vllm.refit import weights_differ
+from processes import running
 
 #: Rows long enough that a fault lands while they run: 12 rows of 48 sampled tokens.
 PROMPTS = [[5 + i, 17, 42 + i, 8] for i in range(12)]
 SETTLE_S = 240  # a replacement's start on two busy cores (more when the machine pauses us)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _wait_dead(pid: int, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not running(pid)
 
 
 def _long(backend):
@@ -340,7 +333,7 @@ def test_a_row_that_already_streamed_tokens_gets_a_typed_retryable_error_naming_
             seen.setdefault(event.index, []).extend(event.token_ids)
             # both rows (one per replica) have streamed tokens: replica 0's row is then lost,
             # whichever of the two the router gave it (on a busy machine one row may start late)
-            if len(seen) == 2 and all(seen.values()) and _alive(pids[0]):
+            if len(seen) == 2 and all(seen.values()) and running(pids[0]):
                 os.kill(pids[0], signal.SIGKILL)
 
     with pytest.raises(RowLostError, match=r"row\(s\) \[[01]\].*run those rows again") as caught:

@@ -12,14 +12,7 @@ from gen_interface import BackendUnavailableError, GenerationError
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
 from interrupts import ctrl_c_while_waiting_in
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from processes import running
 
 
 @pytest.fixture
@@ -46,7 +39,7 @@ def own_backend(request, ray_session, tiny_qwen2):
 @pytest.mark.parametrize("own_backend", [{"healing": False}], indirect=True)  # fail-stop, chosen
 def test_a_dead_worker_fails_generate_within_seconds_and_shutdown_leaves_nothing(own_backend):
     pid = own_backend.replicas.infos[0]["pid"]
-    assert _alive(pid)
+    assert running(pid)
     batch = pad_prompts([[5, 6, 7]] * 64, "right")
     outcome: dict = {}
 
@@ -70,18 +63,18 @@ def test_a_dead_worker_fails_generate_within_seconds_and_shutdown_leaves_nothing
         own_backend.generate(pad_prompts([[5]], "right"), greedy=True)
     own_backend.shutdown()
     own_backend.shutdown()  # idempotent
-    assert not _alive(pid)
+    assert not running(pid)
 
 
 def test_shutdown_stops_every_engine_process(own_backend, ray_session):
     pids = [info["pid"] for info in own_backend.replicas.infos]
-    assert all(_alive(p) for p in pids)
+    assert all(running(p) for p in pids)
     named_before = set(ray_session.util.list_named_actors())
     own_backend.shutdown()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
     gone = named_before - set(ray_session.util.list_named_actors())
     assert len(gone) == len(pids)  # the backend's named actors are gone from Ray
     with pytest.raises(GenerationError, match="shut down"):

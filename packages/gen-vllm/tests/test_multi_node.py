@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from processes import running
 
 
 class Layout(NamedTuple):
@@ -255,23 +256,9 @@ def _assert_exited(pids: list[int], within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _running(pid)]
+        alive = [pid for pid in alive if running(pid)]
         time.sleep(0.5)
     assert not alive, f"worker processes {alive} outlived the simulated cluster"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):  # a zombie has exited; only its table entry is left
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z"):
-            return False
-    return True
-
-
-# ---- the scenario (subprocess) -----------------------------------------------------------------
 
 
 def _scenario(model_dir: str, log_dir: str) -> dict[str, Any]:
