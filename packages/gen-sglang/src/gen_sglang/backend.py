@@ -54,9 +54,10 @@ from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts
 from gen_sglang.config import SglangConfig, complete_sglang_config
 from gen_sglang.environment import managed_python, support_dir
 from gen_sglang.fleet import ServerFleet, ServerLostError
-from gen_sglang.kv_cache import kv_bytes_per_token, kv_cache_args
+from gen_sglang.kv_cache import kv_bytes_per_token
 from gen_sglang.rows import RowStream, batch_body, generate_body, score_body, scored_row
 from gen_sglang.server import SglangServer
+from gen_sglang.server_args import server_args
 from gen_sglang.text import SglangTextCodec
 
 __all__ = ["SglangGeneration"]
@@ -362,7 +363,7 @@ class SglangGeneration(GenerationBackend):
                     "with `pip install sglang`"
                 )
             python = str(managed_python())
-        args = _server_args(
+        args = server_args(
             config,
             dtype,
             cpu=cpu,
@@ -622,29 +623,6 @@ def _refused(server: SglangServer, response: httpx.Response) -> GenerationError:
     if response.status_code == 400:
         return GenerationInputError(f"SGLang ({server.name}) refused the request: {text}")
     return GenerationError(f"SGLang ({server.name}) answered {response.status_code}: {text}")
-
-
-def _server_args(
-    config: SglangConfig, dtype: str, *, cpu: bool, tokenizer: bool, kv_bytes: int
-) -> list[str]:
-    settings = config["sglang_cfg"]
-    args = ["--dtype", dtype, "--weight-version", "0", "--enable-custom-logit-processor"]
-    # Whole prefills: a request whose prefill SGLang splits over forwards (more prompt tokens in
-    # one batch than --chunked-prefill-size) gets no choice from RowSampler; vLLM runs without
-    # chunked prefill here too. The last of repeated flags wins, so extra_args may set it.
-    args += ["--chunked-prefill-size", "-1"]
-    # An idle scheduler otherwise polls at 100% of a core, starving whatever runs beside it.
-    args += ["--load-format", settings["load_format"], "--random-seed", "0", "--sleep-on-idle"]
-    if cpu:
-        args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-    args += kv_cache_args(settings, kv_bytes, cpu=cpu)
-    if settings["context_length"] is not None:
-        args += ["--context-length", str(settings["context_length"])]
-    if not settings["radix_cache"]:
-        args.append("--disable-radix-cache")
-    if not tokenizer:
-        args.append("--skip-tokenizer-init")
-    return args + list(settings["extra_args"])
 
 
 def _resolve_device(device: str) -> str:
