@@ -8,6 +8,7 @@ else rows run until the test calls ``emit``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from gen_vllm.messages import RowOutput, RowRequest, StepBatch, TokenDelta
@@ -55,9 +56,11 @@ class FakeReplicas:
         *,
         tokens: dict[str, list[int]] | None = None,
         finished: list[str] = (),  # type: ignore[assignment]
+        ended: float | None = None,
     ) -> None:
-        """Push one step: new tokens of the given rows, then the given rows' results."""
-        batch = StepBatch()
+        """Push one step: new tokens of the given rows, then the given rows' results;
+        ``ended``: when the step ended (``time.time()``; default now)."""
+        batch = StepBatch(ended=time.time() if ended is None else ended)
         for request_id, ids in (tokens or {}).items():
             batch.deltas.append(TokenDelta(request_id, ids, [-1.0] * len(ids), [], []))
         for request_id in finished:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from fake_replicas import FakeReplicas
 from gen_backend_kit.fleet_health import FleetHealth
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
+from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.messages import RowFailure, RowOutput, RowRequest, StepBatch, TokenDelta
 from gen_vllm.router import RowRouter
 from gen_vllm.step_feed import StepFeed
@@ -288,3 +290,45 @@ def test_healing_a_replica_that_holds_rows_and_sends_nothing_is_lost_within_the_
     assert 0.3 <= detected < 0.4 + 0.5  # the bound, give or take the checks' period
     assert lost[0][0] == 1 and "wedged" in lost[0][1]
     assert health.serving() == [0]
+
+
+def test_delivery_times_report_percentiles_under_their_point_s_name_and_clear():
+    times = DeliveryTimes("step_to_driver")
+    assert times.snapshot() == {"step_to_driver_deliveries_total": 0}
+    for ms in range(1, 101):
+        times.record(ms / 1000)
+    times.record(-0.001)  # another process's clock a little behind: counted as no time
+    got = times.snapshot()
+    assert got["step_to_driver_deliveries_total"] == 101
+    assert got["step_to_driver_seconds_p50"] == pytest.approx(0.050)
+    assert got["step_to_driver_seconds_p99"] == pytest.approx(0.099)
+    assert got["step_to_driver_seconds_mean"] == pytest.approx(5.05 / 101)
+    times.clear()
+    assert times.snapshot() == {"step_to_driver_deliveries_total": 0}
+
+
+def test_the_router_times_each_message_with_rows_from_its_step_s_end():
+    replicas = FakeReplicas(1)
+    router = RowRouter(replicas, capacity=8)  # type: ignore[arg-type]
+
+    async def one_call() -> None:
+        requests = _requests("a", 2, stream=True)
+        run = router.run(requests, [4, 4], 5.0, asyncio.get_running_loop())
+        task = asyncio.ensure_future(_read_all(run))
+        while len(replicas.running[0]) < 2:
+            await asyncio.sleep(0.01)
+        replicas.emit(0, tokens={"a-0": [5]}, ended=time.time() - 0.5)  # half a second ago
+        replicas.emit(0, ended=time.time() - 9.0)  # steps with nothing for the call: not timed
+        replicas.emit(0, finished=["a-0", "a-1"], ended=time.time() - 0.25)
+        await task
+
+    asyncio.run(one_call())
+    got = router.arrivals.snapshot()
+    assert got["step_to_driver_deliveries_total"] == 2
+    assert 0.25 <= got["step_to_driver_seconds_p50"] <= got["step_to_driver_seconds_p99"] < 9.0
+    assert got["step_to_driver_seconds_p99"] >= 0.5
+
+
+async def _read_all(items: AsyncIterator[object]) -> None:
+    async for _ in items:
+        pass

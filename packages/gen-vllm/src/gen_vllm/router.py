@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from typing import Any
 from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 
+from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.engine_loop import EngineFailedError
 from gen_vllm.messages import RowOutput, RowRequest, StepBatch, TokenDelta
 from gen_vllm.replicas import ReplicaSet, WorkerLostError, translate_ray_error
@@ -137,6 +139,8 @@ class RowRouter:
         self.cached_tokens = 0  # of those, the tokens the replicas' prefix caches held
         self.engine_steps = [0] * len(replicas)  # engine steps, per replica
         self.engine_seconds = [0.0] * len(replicas)  # the time those steps took
+        #: From a step's end to its rows' tokens or results reaching this router.
+        self.arrivals = DeliveryTimes("step_to_driver")
         self._homes: OrderedDict[str, int] = OrderedDict()  # session -> its replica
         self._routes: dict[str, tuple[_Call, bool, int]] = {}  # id -> call, streams, prompt len
         self._readers: list[asyncio.Task[None] | None] = [None] * len(replicas)
@@ -333,6 +337,8 @@ class RowRouter:
                 engine_failed = EngineFailedError(failure.message)
                 continue  # the replica is lost below, and this row moves with the others
             self._fail_rows(replica, [failure.request_id], kind(failure.message))
+        if parts:
+            self.arrivals.record(time.time() - batch.ended)
         _hand_over([(call, Delivery(items, batch.ended)) for call, items in parts.values()])
         if engine_failed is not None:
             self._lose(replica, engine_failed)
