@@ -27,7 +27,7 @@ For each random float32 model, in one run:
   small buckets that stay in the last-level cache. No streamed refit through buckets beats them on
   the machine it runs on;
 - with ``--deltas`` (off by default: it starts one more gen-vllm backend per replica count and
-  model, and the run takes about half as long again), delta refits (``weight_changes.py``, as in
+  model, and the run takes nearly twice as long), delta refits (``weight_changes.py``, as in
   ``delta_refit.py``): the trainer's weights between the previous committed refit and the timed one
   differ in a fixed share of each tensor's values (``--delta-share``, 1%, at seeded random
   positions), each moved up or down by ``--delta-step`` (1e-5: about one AdamW step at lr 1e-5). A
