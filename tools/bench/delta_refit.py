@@ -46,6 +46,7 @@ from gen_interface import configure_generation_config, create_generation_backend
 from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors
 from gen_testkit.models import build_tiny_model
 from gen_testkit.servers import ServerProcess, free_port, gen_serve_command
+from weight_changes import changed_share
 
 MIB = 2**20
 TOKENIZER = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
@@ -103,12 +104,9 @@ def train(args: argparse.Namespace, path: str) -> tuple[dict[str, torch.Tensor],
     for lr in (float(x) for x in args.lrs.split(",")):
         step(lr, 1000)
         new = _bf16(model)
-        changed = sum(
-            int((new[k].view(torch.int16) != before[k].view(torch.int16)).sum()) for k in new
-        )
-        total = sum(t.numel() for t in new.values())
-        after[lr] = (new, changed / total)
-        print(f"lr {lr:g}: {changed / total:.2%} of the bfloat16 values changed", flush=True)
+        share = changed_share(before, new)
+        after[lr] = (new, share)
+        print(f"lr {lr:g}: {share:.2%} of the bfloat16 values changed", flush=True)
         model.load_state_dict(saved_model)
         optimizer.load_state_dict(_clone(saved_optimizer))
     return before, after

@@ -1,6 +1,7 @@
 """How fast a refit moves a trainer's weights into a backend, against a plain memory copy.
 
-    uv run python tools/bench/refit.py [--models bench-160m,bench-250m] [--reps 3]
+    uv run python tools/bench/refit.py [--models bench-160m,bench-250m] [--reps 3] \
+        [--deltas [--delta-share 0.01] [--delta-step 1e-5]]
 
 For each random float32 model, in one run:
 
@@ -24,7 +25,27 @@ For each random float32 model, in one run:
 - beside gen-hf's paths, two ``ceiling`` rows: the copies and checksums of a streamed refit alone,
   with no handles, transaction or backend (``refit_ceiling.py``), in gen-hf's bucket shape and in
   small buckets that stay in the last-level cache. No streamed refit through buckets beats them on
-  the machine it runs on.
+  the machine it runs on;
+- with ``--deltas`` (off by default: it starts one more gen-vllm backend per replica count and
+  model, and the run takes nearly twice as long), delta refits (``weight_changes.py``, as in
+  ``delta_refit.py``): the trainer's weights between the previous committed refit and the timed one
+  differ in a fixed share of each tensor's values (``--delta-share``, 1%, at seeded random
+  positions), each moved up or down by ``--delta-step`` (1e-5: about one AdamW step at lr 1e-5). A
+  fixed share, not a real optimizer step: in float32 a step moves nearly every value it updates by
+  some bits, and a delta of every value is larger than the tensor (``delta_refit.py`` measures real
+  steps, in bfloat16, where a step at lr 1e-6 changed 0.8%). Each delta row first refits the
+  unchanged weights, untimed (the backend and the sender's record then hold them), then times the
+  refit of the changed ones, sent as deltas. gen-vllm gets a section of its own per replica count
+  (``gen-vllm xN, weight_deltas``): a backend started with ``vllm_cfg.weight_deltas`` on (each
+  worker keeps a copy of the committed weights), with bare vLLM's reload timed beside it again, and
+  rows ``refit ..., delta`` (``Refitter(deltas=True)``, through the same shared-memory buckets),
+  ``collective (gloo), delta`` (``WeightBroadcaster``), and for each of them ``whole, copy kept``:
+  the same path's whole refit into that backend, which writes the copy too (the time deltas cost a
+  refit that falls back to whole). gen-hf takes deltas against its model's own parameters and keeps
+  no copy: its ``refit ..., delta`` row sits beside its other paths (its whole rows are its ``whole,
+  copy kept``). The line before each such section's rows gives the copies kept for deltas: per
+  worker rank (``committed_copy_bytes``) and in the trainer (each sender's record of the weights it
+  last sent); the memory columns count what a timed refit adds above them.
 
 With ``--lora-rank R``, gen-hf and gen-vllm also serve a LoRA adapter of rank R on every
 projection (q, k, v, o, gate, up, down), and each reports an adapter-only refit (its bytes and
@@ -34,6 +55,8 @@ Reports, per path, the best time, GB/s (model bytes / seconds), the ratio to the
 the ratio of its time to bare vLLM's reload of the same model,
 the peak extra memory of the trainer (this process's private memory plus shared memory in
 use) and of a worker (the worker process's private memory; the backend's own process for HF),
+the bytes its best refit sent as a share of the whole model's (``last_size``: below 100% only
+where deltas went; ``-`` for a path with no sender),
 and for every path that is one committed refit, where its best time went: the backend's
 ``begin``, ``load`` (inside its loads: the calls, the checks, the engine's own load) and
 ``commit`` (its metrics), and the rest, the ``trainer``'s (filling buckets while nothing loads).
@@ -48,6 +71,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +84,7 @@ from gen_interface import configure_generation_config
 from gen_interface.weights import Refitter, WeightBroadcaster, share_tensors, share_weights
 from gen_testkit.models import build_tiny_model
 from refit_ceiling import ceiling_paths, verified_reload_floor
+from weight_changes import changed_share, perturbed
 
 GB = 1e9  # GB/s in decimal gigabytes
 MIB = 2**20
@@ -80,6 +105,24 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="also time adapter-only refits of this rank"
+    )
+    parser.add_argument(
+        "--deltas",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also time delta refits (a section per gen-vllm backend with weight_deltas on)",
+    )
+    parser.add_argument(
+        "--delta-share",
+        type=float,
+        default=0.01,
+        help="share of each tensor's values changed between the two refits of a delta row",
+    )
+    parser.add_argument(
+        "--delta-step",
+        type=float,
+        default=1e-5,
+        help="how far each changed value moves, up or down (one AdamW step at this lr)",
     )
     parser.add_argument(
         "--plot", metavar="FILE", help="draw seconds against model size per path (plots.refit)"
@@ -186,7 +229,20 @@ class BareVllm:
         del self.llm
 
 
-def build_backend(kind: str, model_path: str, lora: dict[str, Any] | None = None) -> Any:
+@dataclass
+class TimedPath:
+    """One path of a section: ``run(weights)`` is timed; ``prepare()``, when given, runs untimed
+    before every timed run; ``sender``, the path's ``Refitter`` or ``WeightBroadcaster``, when it
+    has one: its ``last_size`` gives the bytes the timed refit sent."""
+
+    run: Callable[[dict], Any]
+    prepare: Callable[[], Any] | None = None
+    sender: Any = None
+
+
+def build_backend(
+    kind: str, model_path: str, lora: dict[str, Any] | None = None, deltas: bool = False
+) -> Any:
     tokenizer = type("Ids", (), {"pad_token_id": 0, "eos_token_id": 2})()
     config: dict[str, Any] = {
         "backend": "hf" if kind == "hf" else "vllm",
@@ -204,7 +260,7 @@ def build_backend(kind: str, model_path: str, lora: dict[str, Any] | None = None
         )
     from gen_vllm import VllmGeneration
 
-    config["vllm_cfg"] = {"cpu_kv_cache_gib": 0.25}
+    config["vllm_cfg"] = {"cpu_kv_cache_gib": 0.25, "weight_deltas": deltas}
     return VllmGeneration.create(
         configure_generation_config(config, tokenizer),
         replicas=int(kind.removeprefix("vllm")),
@@ -218,9 +274,9 @@ def worker_pid(kind: str, backend: Any) -> int:
 
 def paths_for(
     kind: str, backend: Any, args: argparse.Namespace, in_shm: dict[str, torch.Tensor]
-) -> dict[str, Callable[[dict], Any]]:
+) -> dict[str, TimedPath]:
     if kind == "bare":
-        return {"reload_weights": backend.reload}
+        return {"reload_weights": TimedPath(backend.reload)}
     bucket = None if args.bucket_mib is None else args.bucket_mib * MIB
     # keeps its buckets, as a training loop would; buckets even where the backend shares this
     # process (its default there is the hand-over, timed as a path of its own)
@@ -231,26 +287,88 @@ def paths_for(
         with share_weights(weights) as shared:
             backend.update_weights_from_ipc_handles(shared.handles)
 
-    paths: dict[str, Callable[[dict], Any]] = {
-        f"refit {refitter.buffers} x {refitter.bucket_bytes // MIB} MiB": refitter.refit,
-        "refit in place": lambda _: in_place.refit(in_shm),
-        "one-shot shm": one_shot,
+    paths = {
+        f"refit {refitter.buffers} x {refitter.bucket_bytes // MIB} MiB": TimedPath(
+            refitter.refit, sender=refitter
+        ),
+        "refit in place": TimedPath(lambda _: in_place.refit(in_shm), sender=in_place),
+        "one-shot shm": TimedPath(one_shot),
     }
     if kind == "hf":  # beside it, the same copies with no layers: the ceiling of any of them
         targets = {name: torch.zeros_like(tensor) for name, tensor in in_shm.items()}
-        paths.update(ceiling_paths(targets, refitter.bucket_bytes))
-        paths["refit, handed over"] = Refitter(backend).refit  # no bucket: the default here
+        ceilings = ceiling_paths(targets, refitter.bucket_bytes)
+        paths.update({name: TimedPath(run) for name, run in ceilings.items()})
+        handed_over = Refitter(backend)  # no bucket: the default here
+        paths["refit, handed over"] = TimedPath(handed_over.refit, sender=handed_over)
     else:
         broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=600)
-        paths["collective (gloo)"] = broadcaster.refit
+        paths["collective (gloo)"] = TimedPath(broadcaster.refit, sender=broadcaster)
     return paths
 
 
+def delta_paths(
+    kind: str, backend: Any, args: argparse.Namespace, weights: dict, changed: dict
+) -> dict[str, TimedPath]:
+    """The delta rows of one backend that keeps a base (gen-hf: its model's own parameters;
+    gen-vllm: the copy ``weight_deltas`` keeps). A delta row first refits ``weights`` (untimed:
+    the backend and the sender's record then hold them), then times the refit of ``changed``,
+    sent as deltas against them. Beside each, for gen-vllm, the same path's whole refit into the
+    same backend (``whole, copy kept``: every tensor whole, the copy written too)."""
+    bucket = None if args.bucket_mib is None else args.bucket_mib * MIB
+    delta = Refitter(
+        backend, bucket_bytes=bucket, buffers=args.buffers, hand_over=False, deltas=True
+    )
+    streamed = f"refit {delta.buffers} x {delta.bucket_bytes // MIB} MiB"
+    paths = {
+        f"{streamed}, delta": TimedPath(
+            lambda _: delta.refit(changed), prepare=lambda: delta.refit(weights), sender=delta
+        )
+    }
+    if kind == "hf":  # no copy kept: gen-hf's whole rows are its whole refits
+        return paths
+    whole = Refitter(backend, bucket_bytes=bucket, buffers=args.buffers, deltas=False)
+    paths[f"{streamed}, whole, copy kept"] = TimedPath(whole.refit, sender=whole)
+    # One group per backend: its one broadcaster sends deltas or not as each path sets.
+    broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=600)
+
+    def broadcast_deltas(on: bool, then: dict | None = None) -> Callable[[], Any]:
+        def prepare() -> None:
+            broadcaster.deltas = on
+            if then is not None:
+                broadcaster.refit(then)
+
+        return prepare
+
+    paths["collective (gloo), delta"] = TimedPath(
+        lambda _: broadcaster.refit(changed),
+        prepare=broadcast_deltas(True, then=weights),
+        sender=broadcaster,
+    )
+    paths["collective (gloo), whole, copy kept"] = TimedPath(
+        broadcaster.refit, prepare=broadcast_deltas(False), sender=broadcaster
+    )
+    return paths
+
+
+def section_label(kind: str, keeps_copy: bool) -> str:
+    label = {"bare": "bare vLLM", "hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}
+    return label[kind] + (", weight_deltas" if keeps_copy else "")
+
+
 def measure(
-    kind: str, preset: str, weights: dict, args: argparse.Namespace, bare: BareVllm | None = None
+    kind: str,
+    preset: str,
+    weights: dict,
+    args: argparse.Namespace,
+    bare: BareVllm | None = None,
+    changed: dict | None = None,
 ) -> list[dict]:
     """Every path into one backend, interleaved with the copy, ``args.reps`` times; with
-    ``bare``, its reload too (the floor, measured beside the paths it is the floor of)."""
+    ``bare``, its reload too (the floor, measured beside the paths it is the floor of).
+
+    With ``changed`` (``weights`` after a small change), the delta rows (``delta_paths``): for
+    gen-hf beside its other paths; for gen-vllm in a section of their own, into a backend started
+    with ``weight_deltas`` on, in place of the other paths."""
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     copies = {k: torch.empty_like(v) for k, v in weights.items()}
 
@@ -259,27 +377,45 @@ def measure(
             copies[name].copy_(tensor)
 
     copy()
-    backend = bare if kind == "bare" else build_backend(kind, str(build_tiny_model(preset).path))
+    keeps_copy = changed is not None and kind.startswith("vllm")
+    if kind == "bare":
+        backend = bare
+    else:
+        model_path = str(build_tiny_model(preset).path)
+        backend = build_backend(kind, model_path, deltas=keeps_copy)
     in_shm, shared = share_tensors(weights)  # the trainer's weights, kept in shared memory
+    label = section_label(kind, keeps_copy)
     try:
-        paths = paths_for(kind, backend, args, in_shm)
+        if keeps_copy:
+            assert changed is not None
+            paths = delta_paths(kind, backend, args, weights, changed)
+        else:
+            paths = paths_for(kind, backend, args, in_shm)
+            if changed is not None and kind == "hf":
+                paths.update(delta_paths(kind, backend, args, weights, changed))
         if bare is not None and kind != "bare":
             floor = verified_reload_floor(bare.reload, backend.capabilities.refit_bucket_bytes)
-            paths = {BARE_RELOAD: bare.reload, BARE_VERIFIED: floor, **paths}
+            paths = {BARE_RELOAD: TimedPath(bare.reload), BARE_VERIFIED: TimedPath(floor), **paths}
         best = dict.fromkeys(paths, float("inf"))
         phases: dict[str, dict[str, float]] = {}  # of each path's best repetition
+        sent: dict[str, float] = {}  # bytes sent / whole bytes, of each path's best repetition
         best_copy = float("inf")
         memory: dict[str, tuple[int, int]] = {}
         pids = {"trainer": os.getpid(), "worker": worker_pid(kind, backend)}
         for _ in range(args.reps):
             best_copy = min(best_copy, timed(copy))
-            for name, run in paths.items():
+            for name, path in paths.items():
+                if path.prepare is not None:
+                    path.prepare()
                 before = refit_phases(backend)
                 with MemoryPeak(pids) as peak:
-                    seconds = timed(lambda run=run: run(weights))
+                    seconds = timed(lambda run=path.run: run(weights))
                 if seconds < best[name]:
                     best[name] = seconds
                     phases[name] = phase_split(before, refit_phases(backend), seconds)
+                    size = getattr(path.sender, "last_size", None)
+                    if size is not None:
+                        sent[name] = size.sent_bytes / max(size.whole_bytes, 1)
                 # HF and bare vLLM run in this process: its memory counts as the worker's.
                 private = peak.extra("trainer") if kind not in ("hf", "bare") else 0
                 trainer, worker = memory.get(name, (0, 0))  # the largest over repetitions:
@@ -287,14 +423,25 @@ def measure(
                     max(trainer, peak.extra("shm") + private),
                     max(worker, peak.extra("worker")),
                 )
+        if changed is not None:
+            records = {id(p.sender): p.sender for p in paths.values() if p.sender is not None}
+            held = sum(sender.sent_bytes() for sender in records.values())
+            kept = getattr(backend, "committed_copy_bytes", None)
+            in_backend = (
+                "none in the backend (its model's parameters are the base)"
+                if kept is None
+                else f"{kept / MIB:.0f} MiB per worker rank"
+            )
+            print(
+                f"  {label}: copies kept for deltas: {in_backend}, {held / MIB:.0f} MiB in the "
+                "trainer (its senders' records of what they sent)",
+                flush=True,
+            )
     finally:
         if kind != "bare":
             backend.shutdown()
         shared.close()
     copy_gbs = nbytes / best_copy / GB
-    label = {"bare": "bare vLLM", "hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[
-        kind
-    ]
     rows = []
     for name, seconds in best.items():
         gbs = nbytes / seconds / GB
@@ -309,13 +456,15 @@ def measure(
                 "ratio": gbs / copy_gbs,
                 "trainer_extra_mib": memory[name][0] / MIB,
                 "worker_extra_mib": memory[name][1] / MIB,
+                "sent_share": sent.get(name),
             }
         )
         split = phases.get(name)
+        share = f"  sent {sent[name]:.1%} of whole" if name in sent else ""
         print(
-            f"  {label:12s} {name:24s} {seconds:7.3f} s {gbs:6.2f} GB/s  x{gbs / copy_gbs:.2f} "
+            f"  {label:12s} {name:36s} {seconds:7.3f} s {gbs:6.2f} GB/s  x{gbs / copy_gbs:.2f} "
             f"of copy ({copy_gbs:.2f} GB/s)  trainer +{memory[name][0] / MIB:.0f} MiB  worker "
-            f"+{memory[name][1] / MIB:.0f} MiB"
+            f"+{memory[name][1] / MIB:.0f} MiB{share}"
             + ("  [" + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + "]" if split else ""),
             flush=True,
         )
@@ -347,7 +496,7 @@ def measure_adapter(kind: str, preset: str, weights: dict, args: argparse.Namesp
                 best["adapter"] = min(best["adapter"], timed(lambda: refitter.refit(lora)))
     finally:
         backend.shutdown()
-    label = {"hf": "gen-hf", "vllm1": "gen-vllm x1", "vllm2": "gen-vllm x2"}[kind]
+    label = section_label(kind, keeps_copy=False)
     print(
         f"  {label:12s} LoRA rank {rank}: full refit {sizes['full'] / MIB:.0f} MiB in "
         f"{best['full']:.3f} s; adapter refit {sizes['adapter'] / MIB:.1f} MiB in "
@@ -369,6 +518,14 @@ def main() -> list[dict[str, Any]]:
             flush=True,
         )
         kinds = args.backends.split(",")
+        changed = None
+        if args.deltas and any(k == "hf" or k.startswith("vllm") for k in kinds):
+            changed = perturbed(weights, args.delta_share, args.delta_step)
+            print(
+                f"  delta rows: {changed_share(weights, changed):.2%} of the values changed "
+                f"(by {args.delta_step:g})",
+                flush=True,
+            )
         # One bare engine per model, its reload timed beside every vLLM backend's paths (alone
         # only when no vLLM backend is asked for): this machine's speed drifts between sections.
         bare = BareVllm(str(model.path)) if "bare" in kinds else None
@@ -377,7 +534,12 @@ def main() -> list[dict[str, Any]]:
             for kind in kinds:
                 if kind == "bare" and vllm_kinds:
                     continue
-                rows.extend(measure(kind, preset, weights, args, bare if kind != "hf" else None))
+                floor = bare if kind != "hf" else None
+                rows.extend(
+                    measure(kind, preset, weights, args, floor, changed if kind == "hf" else None)
+                )
+                if changed is not None and kind.startswith("vllm"):
+                    rows.extend(measure(kind, preset, weights, args, floor, changed))
                 if args.lora_rank and kind != "bare":
                     measure_adapter(kind, preset, weights, args)
         finally:
@@ -391,16 +553,17 @@ def main() -> list[dict[str, Any]]:
     }
     print(
         "| model | backend | path | s | GB/s | ratio to copy | time / bare vLLM reload "
-        "| trainer +MiB | worker +MiB |"
+        "| trainer +MiB | worker +MiB | sent / whole |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         section = (r["model"], r["backend"])
         to_floor = f"{r['seconds'] / floor[section]:.2f}" if section in floor else "-"
+        sent = "-" if r["sent_share"] is None else f"{r['sent_share']:.1%}"
         print(
             f"| {r['model']} | {r['backend']} | {r['path']} | {r['seconds']:.3f} | "
             f"{r['gb_s']:.2f} | {r['ratio']:.2f} (copy {r['copy_gb_s']:.2f} GB/s) | {to_floor} | "
-            f"{r['trainer_extra_mib']:.0f} | {r['worker_extra_mib']:.0f} |"
+            f"{r['trainer_extra_mib']:.0f} | {r['worker_extra_mib']:.0f} | {sent} |"
         )
     if args.plot:
         import plots
