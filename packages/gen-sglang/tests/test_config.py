@@ -35,6 +35,7 @@ class TestSglangConfigSchema(ConfigSchemaChecks):
             "load_format": st.sampled_from(["auto", "dummy"]),
             "healing": st.booleans(),
             "max_replica_restarts": st.integers(0, 100),
+            "wedge_timeout_s": st.floats(0.1, 10**4),
         },
     }
     valid[""]["sglang_cfg"] = st.fixed_dictionaries({}, optional=valid["sglang_cfg"])

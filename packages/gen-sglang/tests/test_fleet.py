@@ -217,6 +217,39 @@ def test_the_watch_thread_finds_a_dead_process_without_a_request(harness):
     assert h.fleet.faults == 1 and h.fleet.members() == [0]
 
 
+def test_a_server_whose_streams_all_go_silent_past_the_bound_is_wedged_stopped_and_lost(
+    harness, caplog
+):
+    caplog.set_level(logging.WARNING, logger="gen_sglang.fleet")
+    h = harness(wedge_timeout_s=0.3)
+    h.ready = threading.Event()  # the replacement does not come up: the loss stays visible
+    quiet, busy = h.fleet.servers
+    with h.fleet.streaming(quiet), h.fleet.streaming(busy) as progress:
+        deadline = time.monotonic() + 5.0
+        while h.fleet.health.state(0) is ReplicaState.SERVING:
+            assert time.monotonic() < deadline, "the silent server was not found wedged"
+            progress()  # the other server keeps sending
+            time.sleep(0.02)
+        assert quiet.stopped or _until(lambda: quiet.stopped) is None  # killed, not left
+        assert any("replica 0 is dead: wedged" in r.getMessage() for r in caplog.records)
+    assert h.fleet.health.state(1) is ReplicaState.SERVING and not busy.stopped
+    assert h.fleet.faults == 1
+
+
+def test_an_idle_server_or_one_held_by_an_update_is_never_wedged(harness):
+    h = harness(wedge_timeout_s=0.1)
+    time.sleep(0.3)  # no request streams: silence is not a wedge
+    members = h.fleet.begin_update()
+    with h.fleet.streaming(h.fleet.servers[0]):
+        time.sleep(0.8)  # an update holds generation: no bytes, and no wedge
+        assert h.fleet.members() == members == [0, 1]
+        h.fleet.update_ended()  # the bound counts from the update's end
+        time.sleep(0.05)
+        assert h.fleet.health.state(0) is ReplicaState.SERVING
+    time.sleep(0.8)  # the stream ended: nothing holds the server any more
+    assert h.fleet.members() == [0, 1] and h.fleet.faults == 0
+
+
 def test_close_stops_a_replacement_that_is_starting(harness):
     h = harness()
     h.ready = threading.Event()

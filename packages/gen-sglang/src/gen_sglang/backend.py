@@ -111,6 +111,7 @@ class SglangGeneration(GenerationBackend):
                 healing=settings["healing"],
                 launch=launch,
                 start_timeout_s=settings["start_timeout_s"],
+                wedge_timeout_s=settings["wedge_timeout_s"],
                 load=self._load_staged,
                 checksum=self._weight_checksum,
                 prepare=self._prepare_replacement,
@@ -458,7 +459,10 @@ class SglangGeneration(GenerationBackend):
     def _chunks(self, server: SglangServer, body: dict[str, Any]) -> Any:
         """The parsed chunks of one streamed ``/generate``."""
         try:
-            with self._client.stream("POST", server.url + "/generate", json=body) as response:
+            with (
+                self._fleet_().streaming(server) as progress,
+                self._client.stream("POST", server.url + "/generate", json=body) as response,
+            ):
                 if response.status_code != 200:
                     response.read()
                     raise _refused(server, response)
@@ -466,6 +470,7 @@ class SglangGeneration(GenerationBackend):
                 # that count as line breaks in str.splitlines (U+2028, U+0085, ...).
                 pending = b""
                 for data in response.iter_bytes():
+                    progress()
                     *lines, pending = (pending + data).split(b"\n")
                     for line in lines:
                         if not line.startswith(b"data:"):

@@ -32,6 +32,9 @@ class SglangSettings(TypedDict, total=False):
     # background (False: a lost server breaks the whole backend, as before) (True)
     healing: bool
     max_replica_restarts: int  # replacements the fleet may start over its life; then smaller (16)
+    # healing: a server with requests streaming that sends nothing on any of them this long
+    # (outside weight updates) is wedged: killed, its rows run again, replaced (30)
+    wedge_timeout_s: float
 
 
 #: Defaults for every ``sglang_cfg`` key.
@@ -50,6 +53,7 @@ SGLANG_CFG_DEFAULTS: SglangSettings = {
     "load_format": "auto",
     "healing": True,
     "max_replica_restarts": 16,
+    "wedge_timeout_s": 30.0,
 }
 
 
@@ -91,7 +95,7 @@ def complete_sglang_config(config: Mapping[str, Any]) -> SglangConfig:
         raise GenerationConfigError(
             f"sglang_cfg.mem_fraction_static must be in (0, 1] or null, got {fraction!r}"
         )
-    for key in ("start_timeout_s", "timeout_s"):
+    for key in ("start_timeout_s", "timeout_s", "wedge_timeout_s"):
         if not (_is_number(cfg[key]) and cfg[key] > 0):
             raise GenerationConfigError(f"sglang_cfg.{key} must be a number > 0, got {cfg[key]!r}")
     extra = cfg["extra_args"]

@@ -5,7 +5,10 @@ The health itself is the kit's ``FleetHealth`` (one state machine, shared with g
 is what gen-sglang does at each transition:
 
 - **Lost** (``lose``: a request whose connection failed, or the watch thread finding a server's
-  process gone): the server is marked dead and stopped (its session killed, its files removed),
+  process gone or the server wedged: requests streaming from it (``streaming``) and nothing
+  sent on any of them for ``wedge_timeout_s``, outside weight updates): the server is marked
+  dead and stopped (its session killed, its files removed; a wedged server's requests then fail
+  as a dead one's do, and their rows move),
   and with ``sglang_cfg.healing`` a replacement starts on a thread while restarts are left
   (``sglang_cfg.max_replica_restarts``). Without healing the first loss breaks the backend
   (``BackendBrokenError``, raised by the backend), as before.
@@ -31,11 +34,13 @@ Thread-safe: request threads, the watch thread and replacement threads all repor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
@@ -65,6 +70,14 @@ class FleetServer(Protocol):
 S = TypeVar("S", bound=FleetServer)
 
 
+@dataclass
+class _Streams:
+    """A server's requests streaming now, and when any of them last received bytes."""
+
+    open: int
+    last: float
+
+
 class ServerLostError(GenerationError):
     """A request failed because its server is gone (its process exited, or its connection
     broke). The backend's own signal: in a healing fleet its rows move, otherwise it becomes
@@ -88,6 +101,8 @@ class ServerFleet(Generic[S]):
         healing: replace lost servers (False: fail-stop; losses are only recorded).
         launch: start replica ``i``'s replacement process (returns at once).
         start_timeout_s: how long a replacement may take to answer.
+        wedge_timeout_s: healing: the longest a server with requests streaming may send
+            nothing on all of them (outside updates) before it is taken as wedged and lost.
         load: load the staged checkpoint into a server, labelled with a version.
         checksum: a server's weight checksum.
         prepare: called on a replacement just before it is admitted, with no update open and
@@ -104,6 +119,7 @@ class ServerFleet(Generic[S]):
         healing: bool,
         launch: Callable[[int], S],
         start_timeout_s: float,
+        wedge_timeout_s: float = 30.0,
         load: Callable[[S, int], None],
         checksum: Callable[[S], str],
         prepare: Callable[[S], None] = lambda server: None,
@@ -121,6 +137,8 @@ class ServerFleet(Generic[S]):
         self.heal_seconds: list[float] = []  # from each loss to its replacement's admission
         self._launch = launch
         self._start_timeout_s = start_timeout_s
+        self._wedge_s = wedge_timeout_s
+        self._streams: dict[int, _Streams] = {}  # by id() of a server with requests streaming
         self._load = load
         self._checksum = checksum
         self._prepare = prepare
@@ -186,6 +204,8 @@ class ServerFleet(Generic[S]):
                 died = server.died()
                 if died is not None:
                     self.lose(replica, server, died)
+            for replica, server, why in self._wedged():
+                self.lose(replica, server, why)
 
     def _maybe_replace(self, replica: int) -> None:
         if self._closed.is_set() or not self.health.may_restart(replica):
@@ -198,6 +218,51 @@ class ServerFleet(Generic[S]):
         with self._lock:
             self._threads.append(thread)
         thread.start()
+
+    @contextlib.contextmanager
+    def streaming(self, server: FleetServer) -> Iterator[Callable[[], None]]:
+        """A request to ``server`` streams inside the block: call the function it gives each
+        time bytes arrive. A server whose streaming requests all go silent for
+        ``wedge_timeout_s`` (outside updates) is wedged: the watch thread loses it."""
+        key = id(server)
+        with self._lock:
+            streams = self._streams.get(key)
+            if streams is None:
+                streams = self._streams[key] = _Streams(0, time.monotonic())
+            streams.open += 1
+
+        def progress() -> None:
+            streams.last = time.monotonic()
+
+        try:
+            yield progress
+        finally:
+            with self._lock:
+                streams.open -= 1
+                if streams.open == 0:
+                    self._streams.pop(key, None)
+
+    def _wedged(self) -> list[tuple[int, S, str]]:
+        """Members whose streaming requests have all been silent past the bound."""
+        if self._updating:
+            return []
+        now = time.monotonic()
+        found = []
+        with self._lock:
+            for replica in self.members():
+                server = self.servers[replica]
+                streams = self._streams.get(id(server))
+                if streams is not None and now - streams.last > self._wedge_s:
+                    found.append(
+                        (
+                            replica,
+                            server,
+                            f"wedged: {streams.open} request(s) streaming from it and nothing "
+                            f"sent for {now - streams.last:.1f} s (sglang_cfg.wedge_timeout_s "
+                            f"{self._wedge_s:g})",
+                        )
+                    )
+        return found
 
     # ---- updates ---------------------------------------------------------------------------
 
@@ -227,9 +292,14 @@ class ServerFleet(Generic[S]):
             self.health.set_version(version)
 
     def update_ended(self) -> None:
-        """The update committed or was dropped: replacements may load and be admitted."""
+        """The update committed or was dropped: replacements may load and be admitted, and
+        the wedge bound counts again from now (generation was held while it ran)."""
         with self._update_lock:
             self._updating = False
+        with self._lock:
+            now = time.monotonic()
+            for streams in self._streams.values():
+                streams.last = max(streams.last, now)
 
     # ---- replacements ----------------------------------------------------------------------
 
