@@ -11,7 +11,7 @@ from gen_interface import NoReplicaServingError, RowLostError
 from gen_testkit.conformance import ConformanceSubject, conformance_config
 from gen_testkit.ngram.fleet import NgramFleet
 from gen_testkit.strategies import pad_prompts
-from gen_testkit.suite.healing import HealingChecks
+from gen_testkit.suite.healing import RESTARTS_NEEDED, HealingChecks
 
 VOCAB = 512
 PROMPTS = [[5 + i, 17, 42] for i in range(6)]
@@ -26,7 +26,7 @@ def ngram_fleet_subject(*, backend_cls=NgramFleet, replicas: int = 3):
         vocab_size=VOCAB,
         ngram={"seconds_per_step": 0.002},
     )
-    backend = backend_cls(config, replicas=replicas)
+    backend = backend_cls(config, replicas=replicas, max_restarts=RESTARTS_NEEDED)
     yield ConformanceSubject(backend, VOCAB, backend._fleet.replicas[0].state_dict())
     backend.shutdown()
 

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 from gen_testkit.conformance import ConformanceSubject
-from gen_testkit.suite.healing import HealingChecks
+from gen_testkit.suite.healing import RESTARTS_NEEDED, HealingChecks
 
 
 class KilledWorkers:
@@ -36,7 +36,12 @@ class TestVllmFleetHealing(HealingChecks):
 
         made = FakeBackends(fake_engine_shipped, tmp_path_factory.mktemp("healing_checks"))
         # weight_deltas: the copy of the committed weights a replacement takes after a refit
-        backend = made.backend(made.cluster([2]), tiny_qwen2, weight_deltas=True)
+        backend = made.backend(
+            made.cluster([2]),
+            tiny_qwen2,
+            weight_deltas=True,
+            max_replica_restarts=RESTARTS_NEEDED,
+        )
         yield ConformanceSubject.for_model(backend, tiny_qwen2)
         made.close()
 

@@ -22,7 +22,11 @@ Not part of ``GenerationConformanceSuite``. Subclass it once per healing backend
 class-scoped fixtures: ``subject`` (a ``ConformanceSubject`` whose ``state_dict`` is set) and
 ``replica_faults`` (a ``ReplicaFaults``: the fault-injection hook). Each test leaves the backend
 healed, on the subject's own weights. Every loss costs a replacement, so the hypothesis
-properties draw few examples; ``heal_timeout_s`` bounds each healing.
+properties draw few examples, at most ``HEALING_MAX_EXAMPLES`` whatever the profile (the
+``nightly`` profile's tenth of 500 would cost 50-150 replacements); ``heal_timeout_s`` bounds
+each healing. A class costs at most ``RESTARTS_NEEDED`` replacements: give the subject's fleet at
+least that many (a fleet past its restarts runs smaller and never heals, which the checks report
+before a loss rather than waiting ``heal_timeout_s`` for it).
 """
 
 from __future__ import annotations
@@ -50,9 +54,15 @@ SERVING = 0  # ReplicaState.SERVING as the metrics report it
 
 #: Few examples, and no shrinking: each example loses a replica and waits for its replacement
 #: (a failure is reported as drawn).
+#: The most examples a healing property draws, whatever the profile.
+HEALING_MAX_EXAMPLES = 10
+#: Replacements one class of the checks may cost: up to three losses per example of (a), and a
+#: few for the other checks.
+RESTARTS_NEEDED = 3 * HEALING_MAX_EXAMPLES + 10
+
 healing_settings = settings(
     property_settings,
-    max_examples=max(2, settings().max_examples // 10),
+    max_examples=min(HEALING_MAX_EXAMPLES, max(2, settings().max_examples // 10)),
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
 )
 
@@ -236,9 +246,20 @@ class _Fleet:
     def lose_and_heal(self, replica: int) -> list[list[tuple[int, int]]]:
         """Lose ``replica`` while idle and wait until its replacement serves (its leaving and
         its admission each count one epoch); returns what ``wait_healed`` saw."""
-        epoch = int(self.metrics()["fleet_epoch"])
+        epoch = int(self._restart_left()["fleet_epoch"])
         self.faults.lose_replica(replica)
         return self.wait_healed(epoch + 2)
+
+    def _restart_left(self) -> dict[str, int | float]:
+        """The metrics, once sure a loss now will be replaced."""
+        metrics = self.metrics()
+        left = metrics.get("fleet_restarts_left")
+        assert left is None or left >= 1, (
+            "the subject's fleet has no restarts left, so a replica lost now is never replaced "
+            f"and the fleet cannot heal: give it at least RESTARTS_NEEDED ({RESTARTS_NEEDED}) "
+            "restarts"
+        )
+        return metrics
 
     def generate_losing(
         self, generate: Callable[[], BatchedDataDict[Any]], victim: int
@@ -247,7 +268,7 @@ class _Fleet:
         again before this returns. Tried up to three times until the loss landed while the
         victim held unfinished rows (``fleet_rows_rerun_total`` grew)."""
         for _ in range(3):
-            before = self.metrics()
+            before = self._restart_left()
             call = InThread(generate)
             deadline = time.monotonic() + self.timeout_s
             while not self.faults.holds_rows(victim) and not call.done.is_set():
