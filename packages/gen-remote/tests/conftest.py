@@ -1,4 +1,5 @@
-"""The servers the remote backend's tests drive, shared by the whole session."""
+"""The servers the remote backend's tests drive, shared by the whole session (with gen-serve's
+tests too: ``servers.served_models``)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from remote_servers import ServedModels
+from servers import ServedModels, served_models
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 @pytest.fixture(scope="session")
 def served() -> Iterator[ServedModels]:
-    servers = ServedModels()
+    servers = served_models()
     yield servers
     servers.close()

@@ -8,44 +8,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from servers import ServerThread, hf_backend, serve, tokenizer_of
+from servers import ServedModels, ServerThread, served_models
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 @pytest.fixture(scope="session")
-def hf_server(tiny_qwen2: Any) -> Iterator[ServerThread]:
-    """gen-serve over gen-hf on the tiny Qwen2."""
-    server = serve(hf_backend(tiny_qwen2), tiny_qwen2)
-    yield server
-    server.stop()
+def served() -> Iterator[ServedModels]:
+    """The session's servers (``served_models``: gen-remote's tests use the same ones)."""
+    servers = served_models()
+    yield servers
+    servers.close()
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_qwen2: Any) -> Iterator[ServerThread]:
-    """gen-serve over gen-vllm (one CPU engine) on the tiny Qwen2."""
-    pytest.importorskip("ray")
-    pytest.importorskip("vllm")
-    from gen_interface import configure_generation_config
-    from gen_testkit.ray_for_tests import init_test_ray
-    from gen_vllm import RayVirtualCluster, VllmGeneration
+def hf_server(served: ServedModels, tiny_qwen2: Any) -> ServerThread:
+    """gen-serve over gen-hf on the tiny Qwen2."""
+    return served.get("hf", tiny_qwen2)
 
-    init_test_ray()  # shared with other packages' tests: the same shape whoever starts it
-    _, tokens = tokenizer_of(tiny_qwen2)
-    config = configure_generation_config(
-        {
-            "backend": "vllm",
-            "model_name": str(tiny_qwen2.path),
-            "dtype": "float32",
-            "vllm_cfg": {"cpu_kv_cache_gib": 0.25},
-        },
-        tokens,
-    )
-    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1)
-    server = serve(VllmGeneration(cluster, config), tiny_qwen2)
-    yield server
-    server.stop()
-    cluster.shutdown()
+
+@pytest.fixture(scope="session")
+def vllm_server(served: ServedModels, tiny_qwen2: Any) -> ServerThread:
+    """gen-serve over gen-vllm (one CPU engine) on the tiny Qwen2."""
+    return served.get("vllm", tiny_qwen2)
 
 
 @pytest.fixture(params=["hf", "vllm"])

@@ -1,15 +1,27 @@
-"""Test servers: a gen-serve app on 127.0.0.1, on a free port, on a thread of this process."""
+"""Test servers: a gen-serve app on 127.0.0.1, on a free port, on a thread of this process; and
+the session's servers over gen-hf and gen-vllm (``served_models``), which the tests of every
+package that drives them (gen-serve's, gen-remote's) share."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 from gen_testkit.servers import free_port
 
-__all__ = ["ServerThread", "free_port", "hf_backend", "serve", "tokenizer_of"]
+__all__ = [
+    "ServedModels",
+    "ServerThread",
+    "free_port",
+    "hf_backend",
+    "serve",
+    "served_models",
+    "tokenizer_of",
+]
 
 
 class ServerThread:
@@ -89,3 +101,64 @@ def hf_backend(model: Any, **extra: Any) -> Any:
         tokens,
     )
     return HfGeneration(config)
+
+
+class ServedModels:
+    """Servers by (backend, model, logprobs mode), started on first use: gen-serve over gen-hf,
+    or over a gen-vllm CPU engine (one replica). Tests that change a server's weights put the
+    model's own weights back before they end, so a server serves the same model to every
+    test; its weight version only grows."""
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple[str, str, str], tuple[ServerThread, Callable[[], None]]] = {}
+
+    def get(self, backend: str, model: Any, logprobs_mode: str = "raw") -> ServerThread:
+        key = (backend, str(model.path), logprobs_mode)
+        if key not in self._servers:
+            start = _hf_server if backend == "hf" else _vllm_server
+            self._servers[key] = start(model, logprobs_mode)
+        return self._servers[key][0]
+
+    def close(self) -> None:
+        """Stop every server started so far (a later ``get`` starts it again)."""
+        for server, release in self._servers.values():
+            server.stop()
+            release()
+        self._servers.clear()
+
+
+_SESSION = ServedModels()
+
+
+def served_models() -> ServedModels:
+    """This process's ``ServedModels``: one for the test session, so that a vLLM engine (about
+    30 s to start here) serves gen-serve's tests and gen-remote's alike. Each package's
+    session fixture closes it at the session's end, when no test is left to use it."""
+    return _SESSION
+
+
+def _hf_server(model: Any, logprobs_mode: str) -> tuple[ServerThread, Callable[[], None]]:
+    return serve(hf_backend(model, logprobs_mode=logprobs_mode), model), lambda: None
+
+
+def _vllm_server(model: Any, logprobs_mode: str) -> tuple[ServerThread, Callable[[], None]]:
+    pytest.importorskip("ray")
+    pytest.importorskip("vllm")
+    from gen_interface import configure_generation_config
+    from gen_testkit.ray_for_tests import init_test_ray
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    init_test_ray()  # shared with other packages' tests: the same shape whoever starts it
+    _, tokens = tokenizer_of(model)
+    config = configure_generation_config(
+        {
+            "backend": "vllm",
+            "model_name": str(model.path),
+            "dtype": "float32",
+            "logprobs_mode": logprobs_mode,
+            "vllm_cfg": {"cpu_kv_cache_gib": 0.25},
+        },
+        tokens,
+    )
+    cluster = RayVirtualCluster([1], use_gpus=False, num_cpus_per_bundle=1)
+    return serve(VllmGeneration(cluster, config), model), cluster.shutdown

@@ -1,5 +1,8 @@
-"""The conformance suite against SGLang servers on the CPU, raw and processed logprobs: one
-server per logprobs mode for the module (each start takes about 25 s here)."""
+"""The conformance suite against an SGLang server on the CPU, raw and processed logprobs: one
+server for the module (a start takes about 25 s here). The logprobs mode is a flag of each
+request (every server loads this package's logit processor), so the processed backend is a
+view of the raw one with its config's mode changed: what a backend started in that mode sends,
+to the same server."""
 
 from __future__ import annotations
 
@@ -31,28 +34,35 @@ SglangBackends = Callable[[str], SglangGeneration]
 @pytest.fixture(scope="module")
 def sglang_backends(tiny_qwen2: TinyModel) -> Iterator[SglangBackends]:
     """``get(logprobs_mode)``: this module's SGLang backend on ``tiny_qwen2`` in that mode,
-    started on first use, built from the conformance config, without the radix cache."""
+    built from the conformance config, without the radix cache. One server, started on first
+    use, serves both modes: ``"processed"`` is a view of the ``"raw"`` backend whose config
+    says ``processed`` (the config is read per call; the server's arguments do not depend on
+    the mode)."""
     built: dict[str, SglangGeneration] = {}
 
     def get(mode: str) -> SglangGeneration:
-        if mode not in built:
-            built[mode] = SglangGeneration(
+        if "raw" not in built:
+            built["raw"] = SglangGeneration(
                 conformance_config(
                     backend="sglang",
                     model_name=str(tiny_qwen2.path),
                     vocab_size=tiny_qwen2.vocab_size,
-                    logprobs_mode=mode,
+                    logprobs_mode="raw",
                     # The suite asks for bit-equal repeats: a cached prefix changes the last
                     # bits of SGLang's CPU logprobs (its kernels are not batch-invariant).
                     # 4,096 cache slots: the retraction test below needs rows to outgrow them.
                     sglang_cfg={"radix_cache": False, "max_total_tokens": 4096},
                 )
             )
+        if mode not in built:
+            view = built["raw"].with_sampling()
+            view.config = type(view).complete_config({**view.config, "logprobs_mode": mode})
+            built[mode] = view
         return built[mode]
 
     yield get
-    for backend in built.values():
-        backend.shutdown()
+    if "raw" in built:  # the views own nothing: the raw backend's shutdown stops the server
+        built["raw"].shutdown()
 
 
 def _failing_rows(backend: SglangGeneration) -> Callable[[bool], None]:
