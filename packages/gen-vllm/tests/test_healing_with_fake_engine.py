@@ -19,7 +19,7 @@ import torch
 from fake_vllm_engine import read_events, set_fault
 from gen_backend_kit.fleet_health import ReplicaState
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
-from gen_interface.weights import refit
+from gen_interface.weights import WeightBroadcaster, refit
 from gen_testkit.strategies import pad_prompts, score_batch
 from gen_vllm.refit import weights_differ
 from processes import running
@@ -197,6 +197,42 @@ def test_a_replica_killed_during_a_refit_misses_it_and_its_replacement_joins_at_
     after = _long(backend).generate(pad_prompts(PROMPTS * 2, "left"), greedy=True)
     assert set(after["weight_versions"][:, 4:].flatten().tolist()) == {version}
     assert backend.rows_in_flight() == [0, 0]
+
+
+def test_the_collective_path_forms_its_group_again_when_the_fleet_s_workers_change(
+    own, tiny_qwen2, new_weights
+):
+    """A weight group's ranks are fixed when it forms. After replica 0 is replaced (same size,
+    one member gone), the next broadcast fails on the dead member: the update is aborted, the
+    group formed again with the workers of now, and the refit sent again. While replica 1 is
+    dead and not yet replaced (fewer workers), the group is formed again before the refit, which
+    commits on the survivor; its replacement then loads that version from the survivor's copy."""
+    backend = own.backend(own.cluster([2]), tiny_qwen2, weight_deltas=True)
+    broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=60)
+    try:
+        first = broadcaster.refit(new_weights(1))
+        pid = backend.replicas.infos[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_dead(pid)
+        _wait_until(lambda: backend.fleet.health.restarts >= 1, "the loss")
+        assert backend.fleet.wait_settled(SETTLE_S)
+        second = broadcaster.refit(new_weights(2))
+        assert second > first and broadcaster.rejoins == 1
+        rows = _long(backend).generate(pad_prompts(PROMPTS, "left"), greedy=True)
+        assert set(rows["weight_versions"][:, 4:].flatten().tolist()) == {second}
+
+        pid = backend.replicas.infos[1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _wait_until(lambda: backend.replicas.member_ids() == [0], "replica 1's loss")
+        third = broadcaster.refit(new_weights(3))  # on the survivor alone
+        assert third > second and broadcaster.rejoins == 2
+        assert backend.fleet.wait_settled(SETTLE_S)
+        metrics = backend.get_logger_metrics()
+        assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == third
+        rows = _long(backend).generate(pad_prompts(PROMPTS, "left"), greedy=True)
+        assert set(rows["weight_versions"][:, 4:].flatten().tolist()) == {third}
+    finally:
+        broadcaster.close()
 
 
 def test_a_replacement_killed_during_its_weight_load_is_replaced_again(

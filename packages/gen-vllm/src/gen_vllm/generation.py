@@ -543,7 +543,8 @@ class VllmGeneration(GenerationBackend):
         return first
 
     def collective_ranks(self) -> int:
-        return sum(len(info["device_ids"]) for info in self.replicas.infos)
+        """The ranks of the replicas that take updates now (a healing fleet's members)."""
+        return sum(len(self.replicas.infos[i]["device_ids"]) for i in self.replicas.member_ids())
 
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
         with self.lifecycle.breaks_on_fatal():

@@ -351,12 +351,12 @@ class ReplicaSet:
         return self._outcomes(refs, self.timeouts.update_s, "resuming after a weight update")
 
     def init_collective(self, endpoint: CollectiveEndpoint, ranks_per_replica: int) -> None:
-        """Every worker joins the weight group; replica i's ranks start at
-        ``endpoint["rank_offset"] + i * ranks_per_replica``."""
+        """Every member's workers join the weight group; the k-th member's ranks start at
+        ``endpoint["rank_offset"] + k * ranks_per_replica``."""
         offset = endpoint["rank_offset"]
         refs = [
-            a.init_collective.remote(endpoint, offset + i * ranks_per_replica)
-            for i, a in enumerate(self.actors)
+            a.init_collective.remote(endpoint, offset + k * ranks_per_replica)
+            for k, a in enumerate(self._each())
         ]
         self._wait(refs, endpoint["timeout_s"], "joining the weight group")
 

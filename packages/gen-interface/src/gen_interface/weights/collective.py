@@ -8,6 +8,12 @@ shapes, offsets, checksum), and broadcasts it; every worker receives, verifies a
 the same transaction as the shared-memory path (the receiving end is the backend kit's
 ``gen_backend_kit.weights.receive_broadcast``).
 
+A backend whose workers change (a healing fleet replaced a lost replica) breaks the group: its
+ranks are fixed when it forms. The broadcaster forms it again with the backend's workers of now
+before a refit when their number changed, and once more when a broadcast fails because a member
+is gone (the failed attempt is aborted first, so the weights in force do not change); then it
+sends the refit again.
+
 Trainer::
 
     broadcaster = WeightBroadcaster.connect(generator)      # once
@@ -20,7 +26,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -122,13 +128,25 @@ class WeightBroadcaster:
     dtypes, in this process). Deltas are taken of host tensors only.
     """
 
-    def __init__(self, backend: GenerationInterface, group: WeightGroup, *, deltas: bool = True):
+    def __init__(
+        self,
+        backend: GenerationInterface,
+        group: WeightGroup,
+        *,
+        deltas: bool = True,
+        rejoin: Callable[[], WeightGroup] | None = None,
+    ):
+        """``rejoin`` forms the group again with the backend's workers of now (``connect``
+        gives one); without it a changed backend's refit fails."""
         self.backend = backend
         self.group = group
         self.deltas = deltas
         self._sent = SentWeights()
+        self._rejoin = rejoin
         #: What the last refit carried (tensors, deltas, whole and sent bytes); None before one.
         self.last_size: LoadSize | None = None
+        #: Times the group was formed again because the backend's workers changed.
+        self.rejoins = 0
 
     @classmethod
     def connect(
@@ -148,23 +166,29 @@ class WeightBroadcaster:
             device: where the trainer's weights are sent from: ``"cpu"`` (gloo) or a CUDA
                 device (NCCL; the workers must be on GPUs too).
             host: this machine's address as the workers reach it; default: its host name's.
-            port: the rendezvous port; 0 picks a free one.
+            port: the rendezvous port; 0 picks a free one (as every later forming does).
             timeout_s: how long forming the group and each broadcast may take.
             deltas: send deltas where the backend takes them (see the class).
         """
-        endpoint = CollectiveEndpoint(
-            host=host or socket.gethostbyname(socket.gethostname()),
-            port=port or _free_port(),
-            world_size=1 + backend.collective_ranks(),
-            rank_offset=1,
-            timeout_s=timeout_s,
-        )
-        joined = _Background(backend.init_collective, endpoint)
-        try:
-            group = join_weight_group(endpoint, 0, torch.device(device))
-        finally:
-            joined.result()
-        return cls(backend, group, deltas=deltas)
+        address = host or socket.gethostbyname(socket.gethostname())
+        ports = [port] if port else []
+
+        def form() -> WeightGroup:
+            endpoint = CollectiveEndpoint(
+                host=address,
+                port=ports.pop() if ports else _free_port(),
+                world_size=1 + backend.collective_ranks(),
+                rank_offset=1,
+                timeout_s=timeout_s,
+            )
+            joined = _Background(backend.init_collective, endpoint)
+            try:
+                group = join_weight_group(endpoint, 0, torch.device(device))
+            finally:
+                joined.result()
+            return group
+
+        return cls(backend, form(), deltas=deltas, rejoin=form)
 
     def refit(
         self,
@@ -190,9 +214,30 @@ class WeightBroadcaster:
         def run(entries: Iterable[tuple[str, Entry]]) -> int:
             return self._send(entries, version, in_flight, bucket_bytes)
 
-        if self.deltas and self.group.device.type == "cpu":
-            return self._sent.send(self.backend, tensors, run)
-        return run(tensors)
+        def attempt() -> int:
+            if self.deltas and self.group.device.type == "cpu":
+                return self._sent.send(self.backend, tensors, run)
+            return run(tensors)
+
+        if self._rejoin is not None and 1 + self.backend.collective_ranks() != self._size():
+            self._form_again()
+        try:
+            return attempt()
+        except _GroupBrokenError:
+            if self._rejoin is None:
+                raise
+            self._form_again()
+            return attempt()
+
+    def _size(self) -> int:
+        return int(self.group.group.size())
+
+    def _form_again(self) -> None:
+        """The backend's workers changed: leave the old group and form one with them."""
+        assert self._rejoin is not None
+        self.group.group = None
+        self.group = self._rejoin()
+        self.rejoins += 1
 
     def _send(
         self,
@@ -219,7 +264,13 @@ class WeightBroadcaster:
                 if loading is not None:
                     loading.result()  # one load at a time; packing overlapped with it
                 loading = _Background(self.backend.update_weights_from_collective, bucket)
-                broadcast(self.group, data)
+                try:
+                    broadcast(self.group, data)
+                except RuntimeError as exc:  # gloo and NCCL raise this when a peer is gone
+                    raise _GroupBrokenError(
+                        f"a broadcast to the backend's workers failed ({exc}): a worker of "
+                        "the weight group is gone; the update was aborted"
+                    ) from exc
             if loading is not None:
                 loading.result()
             committed = self.backend.commit_weight_update()
@@ -240,6 +291,10 @@ class WeightBroadcaster:
         kept for deltas."""
         self.group.group = None
         self._sent.forget()
+
+
+class _GroupBrokenError(WeightUpdateError):
+    """A broadcast failed because a member of the group is gone (the update is aborted)."""
 
 
 class _Background:
