@@ -262,3 +262,17 @@ def test_a_copy_on_every_gpu_reaches_a_reader_on_each():
                 for name, tensor in read_shared_weights(mine):
                     assert tensor.device.index == index
                     assert torch.equal(tensor.cpu(), weights[name].cpu())
+
+
+def test_a_closed_broadcaster_refuses_a_refit_and_touches_no_backend():
+    from gen_interface.weights import WeightBroadcaster
+    from gen_interface.weights.collective import WeightGroup
+
+    class Untouched:
+        def __getattr__(self, name):
+            raise AssertionError(f"the backend was asked for {name!r}")
+
+    broadcaster = WeightBroadcaster(Untouched(), WeightGroup(None, 0, torch.device("cpu")))
+    broadcaster.close()
+    with pytest.raises(WeightUpdateError, match="closed"):
+        broadcaster.refit({"w": torch.zeros(2)})

@@ -143,6 +143,7 @@ class WeightBroadcaster:
         self.deltas = deltas
         self._sent = SentWeights()
         self._rejoin = rejoin
+        self._closed = False
         #: What the last refit carried (tensors, deltas, whole and sent bytes); None before one.
         self.last_size: LoadSize | None = None
         #: Times the group was formed again because the backend's workers changed.
@@ -203,7 +204,8 @@ class WeightBroadcaster:
         deltas, each bucket's deltas are taken while the bucket before it loads.
 
         Raises:
-            WeightUpdateError: the backend refused or failed the update (it was aborted).
+            WeightUpdateError: the backend refused or failed the update (it was aborted), the
+                group could not be formed again, or this broadcaster is closed.
         """
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, entry in named_tensors(state_dict):
@@ -219,6 +221,8 @@ class WeightBroadcaster:
                 return self._sent.send(self.backend, tensors, run)
             return run(tensors)
 
+        if self._closed:
+            raise WeightUpdateError("this WeightBroadcaster is closed: connect a new one")
         if self._rejoin is not None and 1 + self.backend.collective_ranks() != self._size():
             self._form_again()
         try:
@@ -230,7 +234,9 @@ class WeightBroadcaster:
             return attempt()
 
     def _size(self) -> int:
-        return int(self.group.group.size())
+        """Ranks in the group; 0 once it is left (a forming that failed leaves none)."""
+        group = self.group.group
+        return int(group.size()) if group is not None else 0
 
     def _form_again(self) -> None:
         """The backend's workers changed: leave the old group and form one with them."""
@@ -290,6 +296,7 @@ class WeightBroadcaster:
         """Leave the group (the backend's workers leave at their shutdown) and free the copy
         kept for deltas."""
         self.group.group = None
+        self._closed = True
         self._sent.forget()
 
 
