@@ -221,11 +221,11 @@ def test_a_server_whose_streams_all_go_silent_past_the_bound_is_wedged_stopped_a
     harness, caplog
 ):
     caplog.set_level(logging.WARNING, logger="gen_sglang.fleet")
-    h = harness(wedge_timeout_s=0.3)
+    h = harness(wedge_timeout_s=1.0)
     h.ready = threading.Event()  # the replacement does not come up: the loss stays visible
     quiet, busy = h.fleet.servers
     with h.fleet.streaming(quiet), h.fleet.streaming(busy) as progress:
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 10.0
         while h.fleet.health.state(0) is ReplicaState.SERVING:
             assert time.monotonic() < deadline, "the silent server was not found wedged"
             progress()  # the other server keeps sending
@@ -237,17 +237,16 @@ def test_a_server_whose_streams_all_go_silent_past_the_bound_is_wedged_stopped_a
 
 
 def test_an_idle_server_or_one_held_by_an_update_is_never_wedged(harness):
-    h = harness(wedge_timeout_s=0.1)
-    time.sleep(0.3)  # no request streams: silence is not a wedge
+    h = harness(wedge_timeout_s=1.0)
+    time.sleep(2.2)  # no request streams: silence is not a wedge (the watch looks 4 times)
+    assert h.fleet.faults == 0
     members = h.fleet.begin_update()
     with h.fleet.streaming(h.fleet.servers[0]):
-        time.sleep(0.8)  # an update holds generation: no bytes, and no wedge
+        time.sleep(2.2)  # an update holds generation: no bytes, and no wedge
         assert h.fleet.members() == members == [0, 1]
-        h.fleet.update_ended()  # the bound counts from the update's end
-        time.sleep(0.05)
-        assert h.fleet.health.state(0) is ReplicaState.SERVING
-    time.sleep(0.8)  # the stream ended: nothing holds the server any more
-    assert h.fleet.members() == [0, 1] and h.fleet.faults == 0
+        h.fleet.update_ended()  # the bound counts from the update's end, not the stream's start
+        assert h.fleet._wedged() == []
+    assert h.fleet.faults == 0 and h.fleet.members() == [0, 1]
 
 
 def test_close_stops_a_replacement_that_is_starting(harness):
