@@ -1,9 +1,11 @@
-"""Whether a test's worker process still runs (the tests kill and stop them)."""
+"""Whether a test's worker process still runs (the tests kill and stop them), and waiting for
+one to end."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 
@@ -18,3 +20,11 @@ def running(pid: int) -> bool:
         if Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].startswith("Z"):
             return False
     return True
+
+
+def wait_dead(pid: int, timeout_s: float = 30) -> bool:
+    """Until process ``pid`` no longer runs; whether that happened within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not running(pid)

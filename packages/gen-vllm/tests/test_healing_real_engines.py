@@ -2,7 +2,9 @@
 on no disk), a worker SIGKILLed mid-call and then another SIGSTOPped mid-call: each call returns
 what the fault-free call returned (the testkit's near-tie rule: a re-run row lands in another
 batch, and vLLM's CPU build is not batch-invariant), at the same version; the fleet gets back
-to full size from a peer's copy of the committed weights; a later refit reaches every replica."""
+to full size from a peer's copy of the committed weights; a later refit reaches every replica.
+Then a worker SIGKILLed in a refit, after its loads and before the commit: the refit commits on
+the survivor, and the replacement takes that version from the survivor's copy."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from gen_testkit.compare import compare_generations
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.tolerances import tolerance_for
+from refit_faults import KillBeforeCommit
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 8] for i in range(16)]
 SETTLE_S = 240  # a replacement engine's start on two busy cores
@@ -116,3 +119,20 @@ def test_a_worker_killed_and_another_stopped_mid_call_cost_a_re_run_and_the_flee
     metrics = backend.get_logger_metrics()
     assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == newer
     assert metrics["fleet_restarts_total"] == 2 and metrics["fleet_faults_total"] == 2
+
+    killing = KillBeforeCommit(backend, 0, settle_s=SETTLE_S)
+    newest = refit(killing, _moved(tiny_qwen2, 3))
+    assert killing.killed is not None and newest == newer + 1
+    assert backend.fleet.wait_settled(SETTLE_S)
+    metrics = backend.get_logger_metrics()
+    assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == newest
+    assert metrics["fleet_restarts_total"] == 3 and metrics["fleet_faults_total"] == 3
+    last = backend.generate(pad_prompts(PROMPTS * 2, "left"), greedy=True)
+    assert _versions(last) == {newest}
+    # the 32 rows spread over both replicas: each prompt's two copies agree wherever they ran
+    compare_generations(
+        last.select_indices(list(range(len(PROMPTS)))),
+        last.select_indices(list(range(len(PROMPTS), 2 * len(PROMPTS)))),
+        logprob_atol=tolerance.logprob_atol,
+        near_tie=tolerance.near_tie,
+    ).assert_ok("the survivor's rows and the replacement's, after a kill in a refit")

@@ -17,23 +17,16 @@ import time
 import pytest
 import torch
 from fake_vllm_engine import read_events, set_fault
-from gen_backend_kit.fleet_health import ReplicaState
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 from gen_interface.weights import WeightBroadcaster, refit
 from gen_testkit.strategies import pad_prompts, score_batch
 from gen_vllm.refit import weights_differ
-from processes import running
+from processes import running, wait_dead
+from refit_faults import KillBeforeCommit
 
 #: Rows long enough that a fault lands while they run: 12 rows of 48 sampled tokens.
 PROMPTS = [[5 + i, 17, 42 + i, 8] for i in range(12)]
 SETTLE_S = 240  # a replacement's start on two busy cores (more when the machine pauses us)
-
-
-def _wait_dead(pid: int, timeout_s: float = 30) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while running(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not running(pid)
 
 
 def _long(backend):
@@ -123,7 +116,7 @@ def test_a_worker_killed_mid_call_costs_a_re_run_and_the_fleet_heals_at_the_flee
     assert "error" not in out, out.get("error")
     _same(out["value"], reference)  # rows re-run elsewhere from their prompts and seeds
     assert set(out["value"]["weight_versions"][:, 4:].flatten().tolist()) == {version}
-    assert _wait_dead(pid)
+    assert wait_dead(pid)
 
     assert backend.fleet.wait_settled(SETTLE_S)
     metrics = backend.get_logger_metrics()
@@ -142,32 +135,6 @@ def test_a_worker_killed_mid_call_costs_a_re_run_and_the_fleet_heals_at_the_flee
     assert backend.rows_in_flight() == [0, 0]
 
 
-class _KillBeforeCommit:
-    """``backend``, except that its next commit first SIGKILLs ``replica``'s worker (every load
-    written, the transaction open) and waits until that replica's replacement engine is up,
-    so the replacement meets the open update."""
-
-    def __init__(self, backend, replica: int):
-        self._backend = backend
-        self._replica = replica
-        self.killed: int | None = None
-
-    def __getattr__(self, name: str):
-        return getattr(self._backend, name)
-
-    def commit_weight_update(self) -> int:
-        backend, replica = self._backend, self._replica
-        pid = backend.replicas.infos[replica]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        assert _wait_dead(pid)
-        self.killed = pid
-        _wait_until(
-            lambda: backend.fleet.health.state(replica) == ReplicaState.STALE,
-            f"replica {replica}'s replacement engine starting",
-        )
-        return backend.commit_weight_update()
-
-
 def test_a_replica_killed_during_a_refit_misses_it_and_its_replacement_joins_at_the_new_version(
     own, tiny_qwen2, new_weights
 ):
@@ -178,7 +145,7 @@ def test_a_replica_killed_during_a_refit_misses_it_and_its_replacement_joins_at_
     backend = own.backend(own.cluster([2]), tiny_qwen2, weight_deltas=True)
     before = refit(backend, new_weights(4))
     _generate(backend)  # the replicas' streams are read from a first call on: a death is seen
-    killing = _KillBeforeCommit(backend, 0)
+    killing = KillBeforeCommit(backend, 0, settle_s=SETTLE_S)
     version = refit(killing, new_weights(5))
     assert killing.killed is not None and version == before + 1
     assert backend.get_logger_metrics()["replica_1_weight_version"] == version
@@ -213,7 +180,7 @@ def test_the_collective_path_forms_its_group_again_when_the_fleet_s_workers_chan
         first = broadcaster.refit(new_weights(1))
         pid = backend.replicas.infos[0]["pid"]
         os.kill(pid, signal.SIGKILL)
-        assert _wait_dead(pid)
+        assert wait_dead(pid)
         _wait_until(lambda: backend.fleet.health.restarts >= 1, "the loss")
         assert backend.fleet.wait_settled(SETTLE_S)
         second = broadcaster.refit(new_weights(2))
@@ -257,7 +224,7 @@ def test_a_replacement_killed_during_its_weight_load_is_replaced_again(
 
     _wait_until(replacement_loading, "a replacement's weight load")
     os.kill(loading[0], signal.SIGKILL)
-    assert _wait_dead(loading[0])
+    assert wait_dead(loading[0])
     set_fault(own.log_dir, "load", on=False)
 
     _wait_until(
@@ -285,7 +252,7 @@ def test_a_wedged_replica_is_killed_within_the_bound_and_its_rows_run_elsewhere(
     assert "error" not in out, out.get("error")
     _same(out["value"], reference)
     assert out["at"] - wedged_at < 2.0 + 8.0  # the bound, the checks' period and the re-run
-    assert _wait_dead(pid, 10)  # killed, never left half-alive
+    assert wait_dead(pid, 10)  # killed, never left half-alive
     assert backend.fleet.wait_settled(SETTLE_S)
     metrics = backend.get_logger_metrics()
     assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_faults_total"] == 1
@@ -388,7 +355,7 @@ def test_a_replica_dead_before_score_is_evicted_and_its_shard_scored_elsewhere(o
     reference = backend.score(batch)
     pid = backend.replicas.infos[1]["pid"]
     os.kill(pid, signal.SIGKILL)
-    assert _wait_dead(pid)
+    assert wait_dead(pid)
     scored = backend.score(batch)
     assert torch.equal(scored, reference)
     assert backend.fleet.wait_settled(SETTLE_S)
@@ -415,7 +382,7 @@ def test_a_replica_that_dies_while_idle_is_seen_within_seconds_and_replaced(own,
     backend = own.backend(own.cluster([2]), tiny_qwen2)
     pid = backend.replicas.infos[0]["pid"]
     os.kill(pid, signal.SIGKILL)
-    assert _wait_dead(pid)
+    assert wait_dead(pid)
     deadline = time.monotonic() + 30
     while backend.get_logger_metrics()["fleet_faults_total"] < 1:
         assert time.monotonic() < deadline, "an idle replica's death went unseen for 30 s"
