@@ -299,7 +299,7 @@ class ServerFleet(Generic[S]):
         with self._lock:
             now = time.monotonic()
             for streams in self._streams.values():
-                streams.last = max(streams.last, now)
+                streams.last = now
 
     # ---- replacements ----------------------------------------------------------------------
 
