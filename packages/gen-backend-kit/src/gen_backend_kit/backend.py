@@ -83,6 +83,7 @@ from gen_backend_kit.outputs import (
 )
 from gen_backend_kit.row_sampling import GenerationCall, resolve_sampling
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow, checked_score_input, scatter_scores
+from gen_backend_kit.speculation import refuse_unoffered_speculation
 from gen_backend_kit.stepping import RowControl
 from gen_backend_kit.text import TextCodec, generate_text
 from gen_backend_kit.threaded_rows import CallThreads, rows_from_thread
@@ -130,6 +131,9 @@ class GenerationBackend(GenerationInterface):
     #: The level of the config holding the backend's own settings and its ``load_format``
     #: (``"auto"``: read the checkpoint; ``"dummy"``: the first weight update brings them).
     settings_key: ClassVar[str | None] = None
+    #: The ``speculative.method`` values this backend honours (its capabilities report them);
+    #: ``complete_config`` refuses any other by name.
+    speculative_methods: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -224,6 +228,7 @@ class GenerationBackend(GenerationInterface):
                     f"{setting} is set but {cls.__name__} does not offer it; use backend 'hf' "
                     f"(or 'vllm'), or leave {setting} out"
                 )
+        refuse_unoffered_speculation(config, cls.__name__, cls.speculative_methods)
         return cast(GenerationConfig, copy.deepcopy(dict(config)))
 
     @classmethod

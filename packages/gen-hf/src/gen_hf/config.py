@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypedDict, cast
 
 from gen_backend_kit.settings import check_int_setting, complete_backend_settings
+from gen_backend_kit.speculation import refuse_unoffered_speculation
 from gen_interface import GenerationConfig, GenerationConfigError
 
 __all__ = [
@@ -107,6 +108,9 @@ def complete_hf_config(config: Mapping[str, Any]) -> HfConfig:
             "trainer's exact forward (gen_hf.exact.sequence_logprobs), which runs the head in "
             "the model's dtype; set one of them to false"
         )
+    # transformers' assisted decoding (assistant_model) has no per-row seeds, per-token weight
+    # versions or verified refit of the assistant; it stays out until it meets the contract
+    refuse_unoffered_speculation(out, "HfGeneration", frozenset())
     if out.get("batch_invariant") and out.get("lora"):
         raise GenerationConfigError(
             "batch_invariant and lora are both set: the adapter's low-rank product runs outside "

@@ -57,6 +57,8 @@ from gen_interface.specs import (
     LogprobsMode,
     ScoreOutputSpec,
     ScoreSpec,
+    SpeculativeConfig,
+    SpeculativeMethod,
 )
 
 try:
@@ -89,6 +91,8 @@ __all__ = [
     "RowLostError",
     "ScoreOutputSpec",
     "ScoreSpec",
+    "SpeculativeConfig",
+    "SpeculativeMethod",
     "StaleWeightsError",
     "TokenizerLike",
     "WeightBaseError",

@@ -6,13 +6,13 @@ import copy
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, get_args
 
 from gen_interface.errors import BackendUnavailableError, GenerationConfigError
 from gen_interface.nemo_rl_keys import with_nemo_rl_keys
 from gen_interface.schema import ForeignKeys, check_config
 from gen_interface.seeds import MAX_SEED
-from gen_interface.specs import GenerationConfig
+from gen_interface.specs import GenerationConfig, SpeculativeConfig, SpeculativeMethod
 
 if TYPE_CHECKING:
     from gen_interface.interface import GenerationInterface
@@ -48,6 +48,7 @@ GENERATION_CONFIG_DEFAULTS: dict[str, Any] = {
     "lm_head_fp32": False,
     "return_routed_experts": False,
     "lora": None,
+    "speculative": None,
 }
 
 #: Settings a backend can change between calls without reloading anything (vLLM takes them per
@@ -193,6 +194,8 @@ def validate_generation_config(
         )
     if config.get("lora") is not None:
         _check_lora(config["lora"])
+    if config.get("speculative") is not None:
+        _check_speculative(config["speculative"])
 
 
 def _check_lora(lora: Any) -> None:
@@ -221,6 +224,49 @@ def _check_lora(lora: Any) -> None:
             f"lora.target_modules must be a non-empty list of layer names (e.g. ['q_proj', "
             f"'v_proj']), got {targets!r}; or give lora.adapter_path"
         )
+
+
+_SPECULATIVE_METHODS = get_args(SpeculativeMethod)
+_SPECULATIVE_KEYS = frozenset(SpeculativeConfig.__annotations__)
+
+
+def _check_speculative(section: Any) -> None:
+    """A ``speculative`` section names a method, the tokens per step, and what the method needs:
+    a drafter ``model`` for draft_model, a lookup window for ngram."""
+    if not isinstance(section, Mapping):
+        raise GenerationConfigError(f"speculative must be None or a dict, got {section!r}")
+    unknown = sorted(set(section) - _SPECULATIVE_KEYS)
+    if unknown:
+        raise GenerationConfigError(
+            f"unknown key(s) {unknown} in speculative; its keys are {sorted(_SPECULATIVE_KEYS)}"
+        )
+    method = section.get("method")
+    if method not in _SPECULATIVE_METHODS:
+        raise GenerationConfigError(
+            f"speculative.method must be one of {list(_SPECULATIVE_METHODS)}, got {method!r}"
+        )
+    tokens = section.get("num_speculative_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise GenerationConfigError(
+            f"speculative.num_speculative_tokens must be an integer >= 1 (tokens proposed per "
+            f"step), got {tokens!r}"
+        )
+    model = section.get("model")
+    if method == "draft_model" and not (isinstance(model, str) and model):
+        raise GenerationConfigError(
+            "speculative.method 'draft_model' needs speculative.model: the drafter's model "
+            "directory (a smaller model with the target's vocabulary)"
+        )
+    if method == "ngram":
+        low = section.get("prompt_lookup_min", 1)
+        high = section.get("prompt_lookup_max", max(low, 1) if isinstance(low, int) else 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not (
+            1 <= low <= high
+        ):
+            raise GenerationConfigError(
+                "speculative.prompt_lookup_min and prompt_lookup_max must be integers with "
+                f"1 <= min <= max, got {low!r} and {high!r}"
+            )
 
 
 def with_per_call_overrides(config: ConfigT, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ __all__ = [
     "LogprobsMode",
     "ScoreOutputSpec",
     "ScoreSpec",
+    "SpeculativeConfig",
+    "SpeculativeMethod",
 ]
 
 LogprobsMode = Literal["raw", "processed"]
@@ -49,6 +51,29 @@ class LoraConfig(TypedDict, total=False):
     alpha: float  # > 0; the adapter's output is scaled by alpha / rank
     target_modules: list[str]  # last names of the linear layers adapted, e.g. ["q_proj", "v_proj"]
     adapter_path: str | None  # a PEFT adapter directory
+
+
+SpeculativeMethod = Literal["draft_model", "ngram", "mtp", "eagle", "eagle3"]
+
+
+class SpeculativeConfig(TypedDict, total=False):
+    """Speculative decoding: a drafter proposes tokens that the policy (the target) verifies.
+
+    Lossless by contract: greedy rows equal the same call without speculation, sampled rows
+    follow the target's distribution at every position, and every reported logprob is the
+    target's. A row's seed still makes it reproducible, but the tokens it draws differ from the
+    same seed's without speculation (the acceptance test draws from the same stream).
+    vLLM's names: NeMo RL passes the same keys as ``vllm_kwargs.speculative_config``.
+    """
+
+    # "draft_model": a smaller model with the target's vocabulary (``model``); "ngram": tokens
+    # looked up in the row's own prompt and output (no weights); "mtp" / "eagle" / "eagle3": the
+    # model's own prediction heads, or an EAGLE head at ``model``, where the backend offers them
+    method: SpeculativeMethod
+    model: str | None  # the drafter's model directory (draft_model, eagle, eagle3)
+    num_speculative_tokens: int  # >= 1: tokens proposed per verifying step
+    prompt_lookup_min: int  # ngram: shortest suffix matched (>= 1)
+    prompt_lookup_max: int  # ngram: longest suffix matched (>= prompt_lookup_min)
 
 
 class GenerationConfig(TypedDict, total=False):
@@ -90,6 +115,9 @@ class GenerationConfig(TypedDict, total=False):
     # A LoRA adapter over the base model (LoraConfig); a weight update then carries the base,
     # the adapter's tensors (PEFT's names), or both. None (default): no adapter.
     lora: LoraConfig | None
+    # Speculative decoding (SpeculativeConfig); refused by name where a backend does not offer
+    # the method (BackendCapabilities.speculative). None (default): off.
+    speculative: SpeculativeConfig | None
 
 
 class GenerationDatumSpec(TypedDict):

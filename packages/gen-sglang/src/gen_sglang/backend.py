@@ -34,6 +34,7 @@ from gen_backend_kit.fleet_health import FleetHealth
 from gen_backend_kit.lifecycle import RESOURCES, Resource
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow
 from gen_backend_kit.settings import resolve_dtype
+from gen_backend_kit.speculation import refuse_unoffered_speculation
 from gen_backend_kit.stepping import RowControl
 from gen_backend_kit.weights.consumer import write_shared_weights
 from gen_interface import (
@@ -141,6 +142,7 @@ class SglangGeneration(GenerationBackend):
                     f"{setting} is set but SglangGeneration does not offer it yet; use backend "
                     f"'hf' or 'vllm', or leave {setting} out"
                 )
+        refuse_unoffered_speculation(config, cls.__name__, cls.speculative_methods)
         if (config.get("colocated") or {}).get("enabled"):
             raise GenerationConfigError(
                 "colocated.enabled is true but SglangGeneration runs its servers as processes "

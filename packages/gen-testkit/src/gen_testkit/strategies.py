@@ -162,6 +162,7 @@ def generation_configs(
         "lm_head_fp32": False,
         "return_routed_experts": False,
         "lora": None,
+        "speculative": None,
     }
 
 
@@ -187,6 +188,18 @@ _INVALID_VALUES: dict[str, list[Any]] = {
     "lm_head_fp32": ["yes", 1, None],
     "return_routed_experts": ["yes", 1, None],
     "lora": [True, "q_proj", {"rank": 0, "alpha": 8, "target_modules": ["q_proj"]}],
+    "speculative": [
+        "ngram",
+        {"method": "medusa", "num_speculative_tokens": 3},
+        {"method": "ngram", "num_speculative_tokens": 0},
+        {"method": "draft_model", "num_speculative_tokens": 3},
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 4,
+            "prompt_lookup_max": 2,
+        },
+    ],
 }
 
 
