@@ -302,13 +302,14 @@ def test_past_max_replica_restarts_the_fleet_runs_smaller_and_says_so(own, tiny_
     _same(_generate(backend), reference)
 
 
-def test_without_a_copy_of_the_committed_weights_a_replica_lost_after_a_refit_is_not_replaced(
+def test_without_a_copy_of_the_committed_weights_a_replacement_joins_the_next_refit(
     own, tiny_qwen2, new_weights, caplog
 ):
-    """The replacement would serve the checkpoint, many versions old: it is refused (never
-    admitted with other weights) and the fleet runs smaller."""
-    backend = own.backend(own.cluster([2]), tiny_qwen2, max_replica_restarts=1)
-    version = refit(backend, new_weights(3))
+    """The replacement would serve the checkpoint, versions old: it is never admitted with it.
+    It waits, stale and routed no rows, until the next refit loads into it as into the
+    members, and is admitted at that refit's commit, its weights verified equal."""
+    backend = own.backend(own.cluster([2]), tiny_qwen2, max_replica_restarts=2)
+    refit(backend, new_weights(3))
     reference = _generate(backend)
     pid = backend.replicas.infos[1]["pid"]
     thread, out = _in_thread(lambda: _generate(backend))
@@ -317,12 +318,24 @@ def test_without_a_copy_of_the_committed_weights_a_replica_lost_after_a_refit_is
         os.kill(pid, signal.SIGKILL)
         thread.join(timeout=60)
         _same(out["value"], reference)
-        assert backend.fleet.wait_settled(SETTLE_S)
-    assert any("weight_deltas" in r.getMessage() for r in caplog.records)
+        _wait_until(lambda: backend.fleet.joining() == [1], "the replacement waiting to join")
+    assert backend.fleet.wait_settled(SETTLE_S)  # waiting on a refit is not under way
+    assert any("joins the next weight update" in r.getMessage() for r in caplog.records)
     metrics = backend.get_logger_metrics()
-    assert metrics["fleet_replicas_serving"] == 1 and metrics["fleet_restarts_total"] == 1
-    assert metrics["replica_0_weight_version"] == version
-    _same(_generate(backend), reference)
+    assert metrics["fleet_replicas_serving"] == 1 and metrics["fleet_replicas_stale"] == 1
+    _same(_generate(backend), reference)  # served by the member alone
+    assert backend.collective_ranks() == 2  # the joining replica takes the next update
+    version = refit(backend, new_weights(4))
+    assert backend.fleet.joining() == []
+    metrics = backend.get_logger_metrics()
+    assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_restarts_total"] == 1
+    assert metrics["replica_1_weight_version"] == version
+    reports = _weight_reports(backend)
+    assert weights_differ(reports[0], reports[1]) is None
+    after = _generate(backend)
+    assert not torch.equal(after["output_ids"], reference["output_ids"])
+    assert set(after["weight_version"].tolist()) == {version}
+    _same(_generate(backend), after)  # rows on either replica agree
 
 
 def test_a_row_that_already_streamed_tokens_gets_a_typed_retryable_error_naming_it(own, tiny_qwen2):

@@ -34,6 +34,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 __all__ = ["FleetHealth", "IllegalTransitionError", "ReplicaHealth", "ReplicaState"]
@@ -233,26 +234,35 @@ class FleetHealth:
         self.move(replica, ReplicaState.RESTARTING, "another replacement")
         return True
 
-    def settled(self, replacements_due: bool = True) -> bool:
+    def settled(self, replacements_due: bool = True, waiting: Collection[int] = ()) -> bool:
         """No replacement is under way (a replica restarting or stale), nor due: a dead replica
         while restarts are left gets one (a loss, or a replacement's failure, is dead for a
         moment before the next replacement starts). ``replacements_due`` False: the owner
-        replaces no more (it closed), so a dead replica stays dead."""
+        replaces no more (it closed), so a dead replica stays dead. ``waiting``: stale replicas
+        that wait for something outside the fleet (the next weight update), not under way."""
         with self._lock:
             states = [record.state for record in self._replicas]
             restarts_left = self.restarts_left
-        if any(s in (ReplicaState.RESTARTING, ReplicaState.STALE) for s in states):
+        if any(
+            s is ReplicaState.RESTARTING or (s is ReplicaState.STALE and i not in waiting)
+            for i, s in enumerate(states)
+        ):
             return False
         due = ReplicaState.DEAD in states and restarts_left > 0
         return not (due and replacements_due)
 
     def wait_settled(
-        self, timeout_s: float, poll_s: float = 0.05, closed: threading.Event | None = None
+        self,
+        timeout_s: float,
+        poll_s: float = 0.05,
+        closed: threading.Event | None = None,
+        waiting: Callable[[], Collection[int]] = tuple,
     ) -> bool:
-        """Wait until ``settled`` (with replacements due until ``closed`` is set); whether that
-        happened within ``timeout_s``."""
+        """Wait until ``settled`` (with replacements due until ``closed`` is set, and the stale
+        replicas ``waiting()`` names not under way); whether that happened within
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while not self.settled(replacements_due=closed is None or not closed.is_set()):
+        while not self.settled(closed is None or not closed.is_set(), waiting()):
             if time.monotonic() > deadline:
                 return False
             time.sleep(poll_s)

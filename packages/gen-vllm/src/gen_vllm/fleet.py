@@ -21,10 +21,16 @@ gen-vllm does at each transition:
 - **Updates** pin the members they started on (``pin`` / ``unpin``); a replacement waits for
   the update to end, then loads its result.
 
-Without a copy of the committed weights, a replica lost after the first committed update
-cannot be brought to the fleet's weights: it stays dead and the fleet runs smaller (a warning
-says why). The copy costs one model's size of host memory per worker rank (``weight_deltas``),
-and a peer's share one more, briefly, while a replacement reads it.
+Without a copy of the committed weights, a replacement started after the first committed update
+cannot take the fleet's weights from a peer. It then **joins at the next weight update**: it
+stays ``stale`` (installed, never routed rows), the next update loads into it as into every
+member, and at that update's commit it is admitted when its weights verify equal to the
+serving replicas'. An update that does not carry every weight (an adapter or a drafter alone)
+leaves it with other weights: it is evicted then, and replaced again while restarts are left.
+``joining()`` lists such replicas; the collective path counts them among the ranks that take
+updates (``WeightBroadcaster`` forms its group again with them). The copy costs one model's
+size of host memory per worker rank (``weight_deltas``), and a peer's share one more, briefly,
+while a replacement reads it.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
 from gen_interface import GenerationError, MixedWeightsError
@@ -51,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 _ATTEMPTS = 5  # loads of a replacement before giving up, when updates keep overtaking it
 _POLL_S = 0.05
+_NO_COPY = object()  # no serving replica keeps a readable copy of the committed weights
 
 
 class Fleet:
@@ -90,6 +97,7 @@ class Fleet:
         self._lock = threading.RLock()  # admissions against the start of an update
         self._lost_at: dict[int, float] = {}
         self._starting: dict[int, Any] = {}  # replacement actors not yet admitted
+        self._joining: set[int] = set()  # installed replacements waiting for the next update
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         replicas.members = health.serving
@@ -131,10 +139,21 @@ class Fleet:
 
     # ---- updates ---------------------------------------------------------------------------
 
-    def pin(self) -> list[int]:
-        """An update starts on the members of now; they stay its members until ``unpin``."""
+    def joining(self) -> list[int]:
+        """Replacements that wait for the next weight update to take the fleet's weights."""
         with self._lock:
-            pinned = self.replicas.pinned = self.replicas.member_ids()
+            return sorted(self._joining)
+
+    def updated_ids(self) -> list[int]:
+        """The replicas an update starts on: the members and the replacements joining."""
+        with self._lock:
+            return sorted({*self.replicas.member_ids(), *self._joining})
+
+    def pin(self) -> list[int]:
+        """An update starts on the members of now and the replacements joining; they stay its
+        members until ``unpin``."""
+        with self._lock:
+            pinned = self.replicas.pinned = self.updated_ids()
             if self.router is not None:
                 self.router.paused = True
             return pinned
@@ -146,14 +165,40 @@ class Fleet:
             pinned.remove(replica)
         self.evict(replica, why)
 
+    def check_joining(self, outcomes: dict[int, Any], reference: list[UpdateReport] | None) -> None:
+        """At an update's commit: each joining replica's finish ``outcomes`` (its ranks'
+        reports, or its error) against a serving member's (``reference``). One that holds
+        other weights (or failed) is dropped from the update, killed and replaced; the rest are
+        admitted at ``unpin``."""
+        for replica, outcome in outcomes.items():
+            why = (
+                str(outcome)
+                if isinstance(outcome, BaseException)
+                else "no serving replica to compare with"
+                if reference is None
+                else weights_differ(reference, outcome)
+            )
+            if why is None:
+                continue
+            with self._lock:  # never routed rows: lost directly, not through the router
+                self._joining.discard(replica)
+                pinned = self.replicas.pinned
+                if pinned is not None and replica in pinned:
+                    pinned.remove(replica)
+            self.lost(replica, f"it joined a weight update and does not hold the fleet's: {why}")
+
     def unpin(self, version: int | None) -> None:
-        """The update ended: committed as ``version`` on its members, or dropped (None)."""
+        """The update ended: committed as ``version`` on its members, or dropped (None). A
+        joining replica still pinned at a commit verified (``check_joining``): admitted."""
         with self._lock:
             if version is not None:
                 self.version = version
                 self._checkpoint_current = False
                 self._absent = False
                 self.health.set_version(version)
+                for replica in sorted(self._joining & set(self.replicas.pinned or ())):
+                    self._joining.discard(replica)
+                    self._admitted(replica, version, "at the weight update it joined")
             self.replicas.pinned = None
             if self.router is not None:
                 self.router.paused = False
@@ -185,7 +230,7 @@ class Fleet:
         """Bring ``actor`` to the fleet's weights and admit it; see the module docstring.
 
         Raises:
-            GenerationError: no weights to give it, a load failed, or they did not verify.
+            GenerationError: a load failed, or its weights did not verify.
         """
         for _ in range(_ATTEMPTS):
             self._wait_for_no_update()
@@ -194,11 +239,14 @@ class Fleet:
                     continue
                 version = self.version
                 shared = None if self._checkpoint_current else self._share_copy(version)
+                if shared is _NO_COPY:  # installed under the lock: no update starts between
+                    self._join_next_update(replica, actor, info, version)
+                    return
             source = "its checkpoint"
             if shared is None:
                 report = self._get(actor.weight_report.remote(), "a weight report")
             else:
-                peer, handles = shared
+                peer, handles = cast(tuple[int, dict[str, Any]], shared)
                 source = f"replica {peer}'s copy of version {version}"
                 try:
                     report = self._load(actor, handles, version)
@@ -210,26 +258,42 @@ class Fleet:
                 self._verify(replica, report, source)
                 self.replicas.install(replica, actor, info)
                 self._starting.pop(replica, None)
-                self.health.admit(replica, version)
-                lost_at = self._lost_at.pop(replica, None)
-                if lost_at is not None:
-                    self.heal_seconds.append(time.monotonic() - lost_at)
-                if self.router is not None:
-                    self._loop.call_soon_threadsafe(self.router.admit, replica)
-                logger.info("replica %d replaced, serving at weight version %d", replica, version)
+                self._admitted(replica, version, f"from {source}")
                 return
         raise GenerationError(
             f"weight updates kept overtaking the replacement of replica {replica} "
             f"({_ATTEMPTS} loads)"
         )
 
-    def _share_copy(self, version: int) -> tuple[int, dict[str, Any]] | None:
-        """A serving peer's copy of the committed weights at ``version``, shared: ``(peer,
-        handles)``.
+    def _admitted(self, replica: int, version: int, how: str) -> None:
+        """``replica`` (installed, verified) serves at ``version`` from now on; the caller
+        holds the lock."""
+        self.health.admit(replica, version)
+        lost_at = self._lost_at.pop(replica, None)
+        if lost_at is not None:
+            self.heal_seconds.append(time.monotonic() - lost_at)
+        if self.router is not None:
+            self._loop.call_soon_threadsafe(self.router.admit, replica)
+        logger.info("replica %d replaced, serving at weight version %d %s", replica, version, how)
 
-        Raises:
-            GenerationError: no serving replica keeps a copy (``vllm_cfg.weight_deltas``).
-        """
+    def _join_next_update(self, replica: int, actor: Any, info: WorkerInfo, version: int) -> None:
+        """No peer can give ``actor`` the fleet's weights: install it to join the next update
+        (stale, never routed rows); the caller holds the lock and no update is open."""
+        self.replicas.install(replica, actor, info)
+        self._starting.pop(replica, None)
+        self._joining.add(replica)
+        logger.warning(
+            "replica %d's replacement is up, but no serving replica keeps a readable copy of "
+            "the committed weights (version %d; vllm_cfg.weight_deltas keeps one): it joins "
+            "the next weight update, which must carry every weight, and serves from its commit",
+            replica,
+            version,
+        )
+
+    def _share_copy(self, version: int) -> tuple[int, dict[str, Any]] | object:
+        """A serving peer's copy of the committed weights at ``version``, shared: ``(peer,
+        handles)``; ``_NO_COPY`` when no serving replica keeps one at ``version``
+        (``vllm_cfg.weight_deltas``)."""
         for peer in self.replicas.member_ids():
             shared = self._get(
                 self.replicas.actors[peer].share_committed_weights.remote(), "sharing weights"
@@ -238,11 +302,7 @@ class Fleet:
                 return peer, shared[1]
             if shared is not None:
                 self.replicas.actors[peer].release_committed_weights.remote()
-        raise GenerationError(
-            f"no serving replica keeps a readable copy of the committed weights (version "
-            f"{version}), so a replacement cannot take them: set vllm_cfg.weight_deltas to "
-            "true to keep one; the fleet runs smaller"
-        )
+        return _NO_COPY
 
     def _load(self, actor: Any, handles: dict[str, Any], version: int) -> list[UpdateReport]:
         """Run a whole refit from ``handles`` on the new actor alone; its ranks' reports."""
@@ -310,11 +370,13 @@ class Fleet:
     def settled(self) -> bool:
         """No replacement is under way, nor due (unless the fleet is closed): see
         ``FleetHealth.settled``."""
-        return self.health.settled(replacements_due=not self._closed.is_set())
+        return self.health.settled(not self._closed.is_set(), self.joining())
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Wait until no replacement is under way; whether that happened within ``timeout_s``."""
-        return self.health.wait_settled(timeout_s, _POLL_S, closed=self._closed)
+        return self.health.wait_settled(
+            timeout_s, _POLL_S, closed=self._closed, waiting=self.joining
+        )
 
     def close(self) -> None:
         """Stop replacing, and kill replacements not yet admitted (before ``ReplicaSet.

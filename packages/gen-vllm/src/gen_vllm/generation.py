@@ -543,13 +543,19 @@ class VllmGeneration(GenerationBackend):
         return first
 
     def collective_ranks(self) -> int:
-        """The ranks of the replicas that take updates now (a healing fleet's members)."""
-        return sum(len(self.replicas.infos[i]["device_ids"]) for i in self.replicas.member_ids())
+        """The ranks of the replicas that take updates now (a healing fleet's members and the
+        replacements joining its next update)."""
+        return sum(len(self.replicas.infos[i]["device_ids"]) for i in self._updated_ids())
 
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
         with self.lifecycle.breaks_on_fatal():
             tp = self.config["vllm_cfg"]["tensor_parallel_size"]
-            self.replicas.init_collective(cast(CollectiveEndpoint, dict(endpoint)), tp)
+            self.replicas.init_collective(
+                cast(CollectiveEndpoint, dict(endpoint)), tp, self._updated_ids()
+            )
+
+    def _updated_ids(self) -> list[int]:
+        return self.replicas.member_ids() if self.fleet is None else self.fleet.updated_ids()
 
 
 def _row_result(row: RowOutput, routing: tuple[int, int, int] | None) -> RowResult:

@@ -350,13 +350,19 @@ class ReplicaSet:
         refs = [a.end_weight_update.remote(version, cut) for a in self._each()]
         return self._outcomes(refs, self.timeouts.update_s, "resuming after a weight update")
 
-    def init_collective(self, endpoint: CollectiveEndpoint, ranks_per_replica: int) -> None:
-        """Every member's workers join the weight group; the k-th member's ranks start at
-        ``endpoint["rank_offset"] + k * ranks_per_replica``."""
+    def init_collective(
+        self,
+        endpoint: CollectiveEndpoint,
+        ranks_per_replica: int,
+        replicas: Sequence[int] | None = None,
+    ) -> None:
+        """The workers of ``replicas`` (default: every member) join the weight group; the k-th
+        one's ranks start at ``endpoint["rank_offset"] + k * ranks_per_replica``."""
         offset = endpoint["rank_offset"]
+        ids = self.member_ids() if replicas is None else list(replicas)
         refs = [
-            a.init_collective.remote(endpoint, offset + k * ranks_per_replica)
-            for k, a in enumerate(self._each())
+            self.actors[i].init_collective.remote(endpoint, offset + k * ranks_per_replica)
+            for k, i in enumerate(ids)
         ]
         self._wait(refs, endpoint["timeout_s"], "joining the weight group")
 

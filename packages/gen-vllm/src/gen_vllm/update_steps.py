@@ -13,7 +13,8 @@ until it ends). One that dies or does not answer within its bound (``vllm_cfg.
 refit_deadline_s``) is dropped from the update and evicted (replaced; its replacement loads the
 result), and the update commits on the others when they all verify. Replicas that verify
 different weights still break the backend (``MixedWeightsError``): which one is right is not
-known.
+known. A replacement joining the update (``Fleet.joining``) is checked against them instead: it
+is admitted at the commit if it holds their weights, evicted otherwise.
 """
 
 from __future__ import annotations
@@ -91,10 +92,16 @@ class ReplicaUpdateSteps:
         are still paused, then label the weights ``version`` and resume."""
         start = time.perf_counter()
         members = self.replicas.member_ids()
+        outcomes = dict(zip(members, self.replicas.finish_weight_update()))
+        # replacements joining this update are checked against the members, not with them
+        joining = {r: outcomes.pop(r) for r in self.fleet.joining()} if self.fleet else {}
         try:
-            reports = verify_update(self._survivors(members, self.replicas.finish_weight_update()))
+            reports = verify_update(self._survivors(list(outcomes), list(outcomes.values())))
         except MixedWeightsError as exc:
             raise MixedWeightsError(f"{exc}; {_BROKEN}") from exc
+        if self.fleet is not None and joining:
+            served = next((o for o in outcomes.values() if isinstance(o, list)), None)
+            self.fleet.check_joining(joining, served)
         members = self.replicas.member_ids()
         ended = self.replicas.end_weight_update(version, cut=False)
         _raise_if_lost(_errors(self._survivors(members, ended)))
