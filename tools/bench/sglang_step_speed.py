@@ -116,12 +116,18 @@ class Plain:
     """A plain SGLang server: gen-sglang's arguments and environment, no logit processor."""
 
     def __init__(self, ours: Ours, timeout_s: float):
-        from gen_sglang.backend import _server_args
         from gen_sglang.environment import managed_python, support_dir
         from gen_sglang.server import SglangServer
+        from gen_sglang.server_args import server_args
 
         backend = ours.backend
-        args = _server_args(backend.config, "float32", cpu=True, tokenizer=backend.has_tokenizer)
+        args = server_args(
+            backend.config,
+            "float32",
+            cpu=True,
+            tokenizer=backend.has_tokenizer,
+            kv_bytes=backend._kv_bytes_per_token,
+        )
         args.remove("--enable-custom-logit-processor")
         env = {
             "PYTHONPATH": ":".join(support_dir(cpu=True)),

@@ -6,7 +6,7 @@ to the same server."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +29,8 @@ from gen_testkit.suite.row_sampling import RowSamplingProperties
 from gen_testkit.suite.staleness import StalenessChecks
 
 SglangBackends = Callable[[str], SglangGeneration]
+#: What ``FleetClient.chunks`` gives (the tests wrap it).
+Chunks = Generator[dict[str, Any], None, None]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,9 @@ def _failing_rows(backend: SglangGeneration) -> Callable[[bool], None]:
     """``fail_rows``: while on, every row a server ends comes back ended by an internal error,
     as SGLang reports one (``finish_reason`` abort with a 500): a real server cannot be made to
     fail rows and stay up, so the answers are rewritten on their way in."""
-    answers = backend._chunks
+    answers = backend._client.chunks
 
-    def failing(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def failing(server: Any, body: dict[str, Any]) -> Chunks:
         for chunk in answers(server, body):
             meta = chunk.get("meta_info") or {}
             if meta.get("finish_reason"):
@@ -85,9 +87,9 @@ def _failing_rows(backend: SglangGeneration) -> Callable[[bool], None]:
 
     def fail_rows(on: bool) -> None:
         if on:
-            backend._chunks = failing  # type: ignore[method-assign]
+            backend._client.chunks = failing  # type: ignore[method-assign]
         else:
-            vars(backend).pop("_chunks", None)
+            vars(backend._client).pop("chunks", None)
 
     return fail_rows
 
@@ -144,19 +146,19 @@ def test_sampled_rows_draw_as_on_hf_even_when_retracted(
     prompts = pad_prompts([list(range(20, 31))] * 300, "right")
     prompts["sample_seeds"] = torch.arange(300) * 7919 + 1
     retractions: list[int] = []
-    answers = backend._chunks
+    answers = backend._client.chunks
 
-    def counting(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def counting(server: Any, body: dict[str, Any]) -> Chunks:
         for chunk in answers(server, body):
             retractions.append(int((chunk.get("meta_info") or {}).get("num_retractions") or 0))
             yield chunk
 
-    backend._chunks = counting  # type: ignore[method-assign]
+    backend._client.chunks = counting  # type: ignore[method-assign]
     sampling = {"max_new_tokens": 16, "stop_token_ids": [], "top_logprobs": 2}
-    try:  # the view copies the backend: made after the wrapper
+    try:  # the view shares the backend's client, so the wrapper too
         got = backend.with_sampling(**sampling).generate(prompts, greedy=False)
     finally:
-        vars(backend).pop("_chunks", None)
+        vars(backend._client).pop("chunks", None)
     try:
         expected = hf.with_sampling(**sampling).generate(prompts, greedy=False)
     finally:
@@ -187,20 +189,20 @@ def test_a_sampler_failure_in_the_server_fails_the_call_and_the_server_goes_on(
     failure (here a temperature the processor cannot read) comes back in the row instead, as a
     ``GenerationError`` naming it, and the next call runs."""
     backend = sglang_backends("raw")
-    answers = backend._chunks
+    answers = backend._client.chunks
 
-    def unreadable(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def unreadable(server: Any, body: dict[str, Any]) -> Chunks:
         for params in body["sampling_params"]:
             if "custom_params" in params:
                 params["custom_params"]["temperature"] = "hot"
         yield from answers(server, body)
 
     prompts = pad_prompts([[5, 6, 7], [8, 9]], "left")
-    backend._chunks = unreadable  # type: ignore[method-assign]
+    backend._client.chunks = unreadable  # type: ignore[method-assign]
     try:
         with pytest.raises(GenerationError, match="sampler failed inside the SGLang server"):
             backend.generate(prompts, greedy=False)
     finally:
-        vars(backend).pop("_chunks", None)
+        vars(backend._client).pop("chunks", None)
     again = backend.generate(prompts, greedy=False)
     assert again["generation_lengths"].min() > 0

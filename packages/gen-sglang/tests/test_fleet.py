@@ -1,5 +1,5 @@
 """The fleet's state logic on stand-in servers (no SGLang): losses, replacements, what they
-load, when they are admitted, what the metrics say, and how rows move in ``_on_servers``. One
+load, when they are admitted, what the metrics say, and how rows move in ``RowRouter``. One
 real-server check is in ``test_healing.py``."""
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
 from gen_interface import BackendBrokenError, NoReplicaServingError, RowLostError
-from gen_sglang import SglangGeneration
 from gen_sglang.fleet import ServerFleet, ServerLostError
+from gen_sglang.routing import RowRouter
 
 
 class StandIn:
@@ -267,23 +266,13 @@ def test_without_healing_a_loss_is_recorded_and_nothing_replaces_it(harness):
     assert h.fleet.metrics()["replica_0_state"] == ReplicaState.DEAD
 
 
-# ---- rows: SglangGeneration._on_servers over a stand-in fleet ---------------------------------
-
-
-def _router(h: Harness) -> Any:
-    """A backend with only what ``_on_servers`` uses: the fleet and the request threads."""
-    backend = SglangGeneration.__new__(SglangGeneration)
-    backend._fleet = h.fleet  # type: ignore[assignment]
-    backend._pool = ThreadPoolExecutor(8)
-    backend._next = 0
-    backend._next_lock = threading.Lock()
-    return backend
+# ---- rows: RowRouter over a stand-in fleet ----------------------------------------------------
 
 
 def _rows_on(h: Harness, *, streamed: frozenset[int] = frozenset(), dies: int = 1) -> Any:
     """Run 6 rows; the first time replica ``dies`` gets rows it finishes one and dies. Returns
     (which server ran each row, the error raised or None)."""
-    backend = _router(h)
+    router = RowRouter(lambda: h.fleet, max_in_flight=8)  # type: ignore[arg-type,return-value]
     ran: dict[int, str] = {}
     died = threading.Event()
 
@@ -302,10 +291,10 @@ def _rows_on(h: Harness, *, streamed: frozenset[int] = frozenset(), dies: int = 
 
     error = None
     try:
-        backend._on_servers(work, 6, threading.Event(), unfinished)
+        router.run(work, 6, threading.Event(), unfinished)  # type: ignore[arg-type]
     except Exception as exc:
         error = exc
-    backend._pool.shutdown()
+    router.close()
     return ran, error
 
 

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from gen_testkit.strategies import pad_prompts
 from gen_testkit.tolerances import tolerance_for
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 8] for i in range(8)]
+#: What ``FleetClient.chunks`` gives (the tests wrap it).
+Chunks = Generator[dict[str, Any], None, None]
 SETTLE_S = 300  # a replacement server's start on two busy cores
 
 
@@ -66,15 +68,15 @@ def test_a_server_killed_mid_call_costs_a_re_run_and_the_fleet_heals(tiny_qwen2:
 
         victim = backend._servers[1]
         streaming = threading.Event()
-        chunks = backend._chunks
+        chunks = backend._client.chunks
 
-        def watched(server: Any, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        def watched(server: Any, body: dict[str, Any]) -> Chunks:
             for chunk in chunks(server, body):
                 if server is victim:
                     streaming.set()
                 yield chunk
 
-        backend._chunks = watched  # type: ignore[method-assign]
+        backend._client.chunks = watched  # type: ignore[method-assign]
         out: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: out.update(result=backend.generate(batch, True)))
         thread.start()
@@ -84,7 +86,7 @@ def test_a_server_killed_mid_call_costs_a_re_run_and_the_fleet_heals(tiny_qwen2:
         thread.join(timeout=120)
         assert "result" in out, "the call did not return"
         call_s = time.monotonic() - lost_at
-        vars(backend).pop("_chunks")
+        vars(backend._client).pop("chunks")
 
         compare_generations(
             reference,

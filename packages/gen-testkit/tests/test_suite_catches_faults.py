@@ -21,6 +21,7 @@ from gen_interface import GenerationError, MixedWeightsError
 from gen_interface.weights import apply_delta, bytes_checksum
 from gen_testkit.ngram import NgramGeneration
 from gen_testkit.ngram.fleet import NgramFleet
+from gen_testkit.ngram.speculative import SpeculativeDecoder
 
 
 class _OutputFault(NgramGeneration):
@@ -352,6 +353,42 @@ class RefitSkipsAReplica(NgramFleet):
         return members[:-1] if len(members) > 1 else members
 
 
+class AcceptsDraftsUnverified(SpeculativeDecoder):
+    """Takes every draft token without asking the target."""
+
+    def _accepts(self, row, target_logits, p, draft_probs, j, token, generator):
+        return True
+
+
+class LogprobsFromTheDrafter(SpeculativeDecoder):
+    """Verifies honestly, then reports each token with the drafter's logits."""
+
+    def _reported_logits(self, target, contexts, drafts):
+        return torch.stack(
+            [
+                self.drafter.next_logits([[*c, *d[:j]] for c, d in zip(contexts, drafts)])
+                for j in range(self.k + 1)
+            ],
+            dim=1,
+        )
+
+
+class DraftsUnverified(NgramGeneration):
+    _decoder = AcceptsDraftsUnverified
+
+
+class DrafterLogprobs(NgramGeneration):
+    _decoder = LogprobsFromTheDrafter
+
+
+class DrafterRefitIgnored(NgramGeneration):
+    """Takes a drafter update and commits it without writing the drafter."""
+
+    def _commit_update(self, version):
+        self._drafter_loaded = False
+        super()._commit_update(version)
+
+
 # fault -> (backend class, logprobs mode, the suite tests that must fail)
 FAULTS: dict[str, tuple[type[NgramGeneration] | type[NgramFleet], str, set[str]]] = {
     "logprobs in float64": (LogprobsInFloat64, "raw", {"test_output_layout"}),
@@ -455,7 +492,30 @@ FAULTS: dict[str, tuple[type[NgramGeneration] | type[NgramFleet], str, set[str]]
             "test_after_a_refit_no_replica_serves_an_older_version",
         },
     ),
+    "drafter tokens accepted unverified": (
+        DraftsUnverified,
+        "raw",
+        {
+            "test_greedy_rows_equal_the_same_call_without_speculation",
+            "test_sampled_tokens_follow_the_target_at_every_position",
+        },
+    ),
+    "logprobs from the drafter": (
+        DrafterLogprobs,
+        "processed",
+        {"test_reported_logprobs_are_the_targets"},
+    ),
+    "drafter refit ignored": (
+        DrafterRefitIgnored,
+        "raw",
+        {"test_a_drafter_refit_changes_acceptance_and_never_the_outputs"},
+    ),
 }
+
+#: Faults of the speculative decoder, caught by the speculative properties.
+SPECULATIVE_FAULTS = frozenset(
+    {"drafter tokens accepted unverified", "logprobs from the drafter", "drafter refit ignored"}
+)
 
 
 HERE = Path(__file__).parent
@@ -468,6 +528,7 @@ from gen_testkit.conformance import GenerationConformanceSuite
 from gen_testkit.suite.in_flight import InFlightUpdateChecks
 from test_ngram_fleet import ngram_fleet_subject
 from gen_testkit.suite.healing import HealingChecks
+from test_ngram_speculative import TestNgramSpeculative, speculative_subject
 """
 
 #: Only whether each test fails matters here, not its smallest failing example: skip shrinking.
@@ -514,7 +575,20 @@ class TestFault{index}(HealingChecks):
 """
 
 
+#: A fault of the speculative decoder: the speculative properties.
+_SPECULATIVE_CLASS = """
+class TestFault{index}(TestNgramSpeculative):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls):
+        backend_cls, mode, _ = FAULTS[{fault!r}]
+        yield from speculative_subject(mode, backend_cls=backend_cls)
+"""
+
+
 def _test_class(index: int, fault: str) -> str:
+    if fault in SPECULATIVE_FAULTS:
+        return _SPECULATIVE_CLASS.format(index=index, fault=fault)
     template = _HEALING_CLASS if issubclass(FAULTS[fault][0], NgramFleet) else _CLASS
     return template.format(index=index, fault=fault)
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TokenChoice",
     "processed_log_probs",
+    "report_tokens",
     "row_generators",
     "select_next_tokens",
 ]
@@ -113,34 +114,68 @@ def select_next_tokens(
     Returns:
         A ``TokenChoice``, on the CPU when some row sampled or asked for top logprobs.
     """
-    raw = logits.float().log_softmax(dim=-1)
     tokens = logits.argmax(dim=-1)
-    chosen = raw.gather(1, tokens[:, None]).squeeze(1)
-    most = max((row.top_logprobs for row in rows), default=0)
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
-    reported = raw
     if sampled:
         index = torch.tensor(sampled, dtype=torch.int64)
-        subset = [rows[i] for i in sampled]
-        # Sampling runs on the CPU, where each row's generator lives.
-        filtered = processed_log_probs(
-            logits.index_select(0, index.to(logits.device)).cpu(),
-            torch.tensor([row.temperature for row in subset]),
-            [row.top_k for row in subset],
-            torch.tensor([row.top_p for row in subset]),
-            torch.tensor([row.min_p for row in subset]),
-        )
+        filtered = _processed_rows(logits, rows, sampled)
         draws = torch.stack(
             [
                 torch.multinomial(filtered[j].exp(), 1, generator=generators[i])[0]
                 for j, i in enumerate(sampled)
             ]
         )
-        raw = raw.cpu()
-        reported = raw.index_copy(0, index, filtered) if processed else raw
         tokens = tokens.cpu().index_copy(0, index, draws)
-        chosen = reported.gather(1, tokens[:, None]).squeeze(1)
+        return report_tokens(logits, tokens, rows, processed=processed, filtered=filtered)
+    return report_tokens(logits, tokens, rows, processed=processed)
+
+
+def report_tokens(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: Sequence[RowSampling],
+    *,
+    processed: bool,
+    filtered: torch.Tensor | None = None,
+) -> TokenChoice:
+    """The ``TokenChoice`` reporting ``tokens`` ``[A]`` as chosen from ``logits`` ``[A, V]``:
+    their logprobs and top logprobs in the distribution ``select_next_tokens`` reports (raw for
+    greedy rows; processed for sampled rows when ``processed``). A speculative step reports the
+    tokens it accepted with the target's logits here, so they read as plain decoding's would.
+
+    Args:
+        filtered: the sampled rows' ``processed_log_probs`` (in the order of the sampled rows),
+            when the caller has them; computed otherwise.
+    """
+    raw = logits.float().log_softmax(dim=-1)
+    most = max((row.top_logprobs for row in rows), default=0)
+    sampled = [i for i, row in enumerate(rows) if not row.greedy]
+    reported = raw
+    if sampled and processed:
+        index = torch.tensor(sampled, dtype=torch.int64)
+        if filtered is None:
+            filtered = _processed_rows(logits, rows, sampled)
+        reported = raw.cpu().index_copy(0, index, filtered)
+    if sampled or most:
+        reported, tokens = reported.cpu(), tokens.cpu()
+    chosen = reported.gather(1, tokens.to(reported.device)[:, None]).squeeze(1)
     return TokenChoice(tokens, chosen, *_top_logprobs(reported, rows, most))
+
+
+def _processed_rows(
+    logits: torch.Tensor, rows: Sequence[RowSampling], which: Sequence[int]
+) -> torch.Tensor:
+    """``processed_log_probs`` ``[len(which), V]`` of rows ``which``, on the CPU (where each
+    row's generator lives), each with its own temperature, top-k, top-p and min-p."""
+    index = torch.tensor(list(which), dtype=torch.int64)
+    subset = [rows[i] for i in which]
+    return processed_log_probs(
+        logits.index_select(0, index.to(logits.device)).cpu(),
+        torch.tensor([row.temperature for row in subset]),
+        [row.top_k for row in subset],
+        torch.tensor([row.top_p for row in subset]),
+        torch.tensor([row.min_p for row in subset]),
+    )
 
 
 def _top_logprobs(

@@ -12,22 +12,20 @@ server (``/update_weights_from_disk``, labelled with the new version) before
 
 The servers are a fleet (``fleet.ServerFleet`` over the kit's ``FleetHealth``): with
 ``sglang_cfg.healing`` a server that dies is replaced in the background, and the rows it held
-that had handed nothing to the caller run again on a serving server (``_on_servers``).
+that had handed nothing to the caller run again on a serving server (``routing.RowRouter``).
+Every request goes through ``client.FleetClient``; an update's steps against the servers are
+``server_weights.ServerWeights``. This class ties them to the shared base.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from gen_backend_kit import GenerationBackend, GenerationCall, RowResult
 from gen_backend_kit.fleet_health import FleetHealth
@@ -38,33 +36,29 @@ from gen_backend_kit.speculation import refuse_unoffered_speculation
 from gen_backend_kit.stepping import RowControl
 from gen_backend_kit.weights.consumer import write_shared_weights
 from gen_interface import (
-    BackendBrokenError,
     BackendCapabilities,
     BackendUnavailableError,
     GenerationConfigError,
     GenerationError,
-    GenerationInputError,
     InFlight,
-    MixedWeightsError,
-    RowLostError,
     WeightUpdateError,
 )
 from gen_interface.config import GENERATION_CONFIG_DEFAULTS
 
 from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts, serving_dir
+from gen_sglang.client import FleetClient
 from gen_sglang.config import SglangConfig, complete_sglang_config
 from gen_sglang.environment import managed_python, support_dir
-from gen_sglang.fleet import ServerFleet, ServerLostError
+from gen_sglang.fleet import ServerFleet
 from gen_sglang.kv_cache import kv_bytes_per_token
+from gen_sglang.routing import RowRouter
 from gen_sglang.rows import RowStream, batch_body, generate_body, score_body, scored_row
 from gen_sglang.server import SglangServer
 from gen_sglang.server_args import server_args
+from gen_sglang.server_weights import ServerWeights
 from gen_sglang.text import SglangTextCodec
 
 __all__ = ["SglangGeneration"]
-
-#: Requests in flight at once per backend (each a call's rows on one server).
-_MAX_REQUESTS_IN_FLIGHT = 64
 
 
 class SglangGeneration(GenerationBackend):
@@ -91,20 +85,16 @@ class SglangGeneration(GenerationBackend):
         self._device = _resolve_device(settings["device"])
         self._kv_bytes_per_token = kv_bytes_per_token(model_dir, dtype)
         self.context_length = settings["context_length"] or self._facts.context_length
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(settings["timeout_s"], connect=10.0),
-            limits=httpx.Limits(max_connections=None),
-        )
-        self._pool = ThreadPoolExecutor(_MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="gen-sglang")
+        self._client = FleetClient(self._fleet_, settings["timeout_s"])
+        self._router = RowRouter(self._fleet_)
         self._servers: list[SglangServer] = []
         self._fleet: ServerFleet[SglangServer] | None = None
         self._staged: StagedCheckpoint | None = None
         self._asleep = False
-        self._next = 0
-        self._next_lock = threading.Lock()
         absent = settings["load_format"] == "dummy"
         try:
             self._staged = StagedCheckpoint(model_dir, self._facts.specs, self._facts.optional)
+            self._server_weights = ServerWeights(self._client, self._staged.dir)
             launch = self._start_servers(config, dtype)
             self._fleet = ServerFleet(
                 self._servers,
@@ -113,8 +103,8 @@ class SglangGeneration(GenerationBackend):
                 launch=launch,
                 start_timeout_s=settings["start_timeout_s"],
                 wedge_timeout_s=settings["wedge_timeout_s"],
-                load=self._load_staged,
-                checksum=self._weight_checksum,
+                load=self._server_weights.load,
+                checksum=self._server_weights.checksum,
                 prepare=self._prepare_replacement,
                 weights_absent=absent,
             )
@@ -199,7 +189,7 @@ class SglangGeneration(GenerationBackend):
                 stops = frozenset(row.stop_token_ids)
                 streams.append(RowStream(row.top_logprobs, stops, sampled=not row.greedy))
             reported = [0] * len(rows)  # tokens reported through on_token, per row
-            with contextlib.closing(self._chunks(server, batch_body(bodies))) as chunks:
+            with contextlib.closing(self._client.chunks(server, batch_body(bodies))) as chunks:
                 for chunk in chunks:
                     if stop.is_set() or control.cancelled.is_set():
                         return  # closing the stream ends its rows in SGLang
@@ -212,7 +202,7 @@ class SglangGeneration(GenerationBackend):
                         results[index] = control.finished(index, stream.result())
                         if stream.stopped_here and not chunk["meta_info"].get("finish_reason"):
                             abort = {"rid": bodies[position]["rid"]}
-                            self._post(server, "/abort_request", abort, json_answer=False)
+                            self._client.post(server, "/abort_request", abort, json_answer=False)
                     elif control.on_token is not None:
                         # The newest token waits for the next chunk: if that one ends the row,
                         # it comes with the row's end, as the last token must.
@@ -225,7 +215,7 @@ class SglangGeneration(GenerationBackend):
             left = [i for i in rows if results[i] is None]
             return [i for i in left if i not in streamed], [i for i in left if i in streamed]
 
-        self._on_servers(on, call.size, stop, unfinished)
+        self._router.run(on, call.size, stop, unfinished)
         return results
 
     def _score_rows(self, batch: ScoreBatch, top_logprobs: int) -> list[ScoredRow]:
@@ -235,7 +225,7 @@ class SglangGeneration(GenerationBackend):
             bodies = [
                 score_body(batch.sequences[i], batch.prompt_lengths[i], top_logprobs) for i in rows
             ]
-            answers = self._post(server, "/generate", batch_body(bodies))
+            answers = self._client.post(server, "/generate", batch_body(bodies))
             for index, answer in zip(rows, answers):
                 response = len(batch.sequences[index]) - batch.prompt_lengths[index]
                 scored[index] = scored_row(answer, response, top_logprobs)
@@ -243,29 +233,22 @@ class SglangGeneration(GenerationBackend):
         def unscored(rows: list[int]) -> tuple[list[int], list[int]]:
             return [i for i in rows if scored[i] is None], []
 
-        self._on_servers(on, len(scored), threading.Event(), unscored)
+        self._router.run(on, len(scored), threading.Event(), unscored)
         return [row for row in scored if row is not None]
 
     def _text_codec(self) -> SglangTextCodec | None:
         if not self.has_tokenizer:
             return None
-        return SglangTextCodec(self._post_anywhere)
+        return SglangTextCodec(self._client.post_anywhere)
 
     def invalidate_kv_cache(self) -> bool:
-        self._each_server("/flush_cache", None, json_answer=False)
+        self._client.each_server("/flush_cache", None, json_answer=False)
         return True
 
     # ---- weight updates ------------------------------------------------------------------
 
     def _begin_update(self, version: int, in_flight: InFlight) -> None:
-        mode = "retract" if in_flight == "keep" else "abort"
-        fleet = self._fleet_()
-        members = fleet.begin_update()
-        try:
-            self._each_server("/pause_generation", {"mode": mode}, replicas=members)
-        except BaseException:
-            fleet.update_ended()  # no transaction opened: neither commit nor abort follows
-            raise
+        self._server_weights.pause(in_flight)
 
     def _load_handles(self, handles: Mapping[str, Any]) -> None:
         self._fleet_().staged_written()
@@ -276,44 +259,10 @@ class SglangGeneration(GenerationBackend):
         self._staging().write(state_dict)
 
     def _commit_update(self, version: int) -> None:
-        """Every member of the update loads the staged checkpoint. A member that dies on the
-        way is dropped from the update (healing); a refusal from a live one leaves every server
-        on its old weights, or, when others took the new ones already, mixed weights."""
-        fleet = self._fleet_()
-        taken: list[str] = []
-        try:
-            for replica in fleet.members():
-                server = fleet.servers[replica]
-                try:
-                    answer = self._load_staged_answer(server, version)
-                except ServerLostError as exc:
-                    self._report_lost(replica, exc)
-                    continue
-                except GenerationError as exc:
-                    answer = {"success": False, "message": str(exc)}
-                if not answer.get("success"):
-                    why = f"{server.name} refused the new weights: {answer.get('message')}"
-                    if taken:
-                        raise MixedWeightsError(f"{why}; {', '.join(taken)} took them")
-                    self._each_server("/continue_generation", {})
-                    raise WeightUpdateError(f"{why}; every server keeps its old weights")
-                taken.append(server.name)
-            if not taken:
-                raise WeightUpdateError(
-                    "no SGLang server was left to take the new weights (every member of the "
-                    "update died); retry the update once a replacement serves"
-                )
-            fleet.committed(version)
-            self._each_server("/continue_generation", {})
-        finally:
-            fleet.update_ended()
+        self._server_weights.commit(version)
 
     def _abort_update(self, written: bool) -> None:
-        # Nothing reached a server before the commit: paused rows go on with the old weights.
-        try:
-            self._each_server("/continue_generation", {})
-        finally:
-            self._fleet_().update_ended()
+        self._server_weights.resume()
 
     # ---- metrics -------------------------------------------------------------------------
 
@@ -330,14 +279,19 @@ class SglangGeneration(GenerationBackend):
             return frozenset()
         with self._fleet_().no_admissions():
             self._asleep = True
-            self._each_server("/release_memory_occupation", {})
+            self._client.each_server("/release_memory_occupation", {})
         return frozenset(RESOURCES)
 
     def _wake(self, resources: tuple[Resource, ...]) -> None:
         if self._device == "cuda":
             with self._fleet_().no_admissions():
                 self._asleep = False
-                self._each_server("/resume_memory_occupation", {"tags": list(resources)})
+                self._client.each_server("/resume_memory_occupation", {"tags": list(resources)})
+
+    def _prepare_replacement(self, server: SglangServer) -> None:
+        """A replacement admitted while the backend sleeps sleeps too."""
+        if self._asleep:
+            self._client.post(server, "/release_memory_occupation", {})
 
     def _close(self) -> None:
         if self._fleet is not None:
@@ -345,7 +299,7 @@ class SglangGeneration(GenerationBackend):
             self._servers = self._fleet.servers
         for server in self._servers:
             server.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._router.close()
         self._client.close()
         if self._staged is not None:
             self._staged.close()
@@ -390,218 +344,6 @@ class SglangGeneration(GenerationBackend):
             server.wait_ready(settings["start_timeout_s"])
         return launch
 
-    def _on_servers(
-        self,
-        work: Callable[[SglangServer, list[int]], None],
-        count: int,
-        stop: threading.Event,
-        unfinished: Callable[[list[int]], tuple[list[int], list[int]]],
-    ) -> None:
-        """Spread rows ``0 .. count - 1`` over the serving servers (round them, from where the
-        last call stopped) and run ``work(server, its rows)`` for each on the request threads:
-        one batched request per server, so SGLang schedules a call's rows together.
-
-        A server lost under its request (healing): ``unfinished(its rows)`` says which of them
-        handed the caller nothing (they run again at once on the serving servers) and which
-        streamed tokens already (the call ends with ``RowLostError`` naming them). Any other
-        failure ends the others (through ``stop``) and is raised.
-
-        Raises:
-            NoReplicaServingError: no server serves (healing), at the start or when rows move.
-            RowLostError: rows that had streamed tokens were on a server that was lost.
-            BackendBrokenError: a server was lost (fail-stop).
-        """
-        fleet = self._fleet_()
-        running: dict[Future[None], tuple[int, SglangServer, list[int]]] = {}
-
-        def send(rows: list[int]) -> None:
-            members = fleet.members()
-            if not members:
-                raise fleet.no_replica_serving()
-            with self._next_lock:
-                first = self._next % len(members)
-                self._next = first + len(rows)
-            shares: dict[int, list[int]] = {}
-            for k, index in enumerate(rows):
-                shares.setdefault(members[(first + k) % len(members)], []).append(index)
-            for replica, share in shares.items():
-                server = fleet.servers[replica]
-                running[self._pool.submit(work, server, share)] = (replica, server, share)
-
-        try:
-            send(list(range(count)))
-            while running:
-                done, _ = wait(running, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    replica, server, rows = running.pop(future)
-                    error = future.exception()
-                    if error is None:
-                        continue
-                    if not isinstance(error, ServerLostError):
-                        raise error
-                    self._report_lost(replica, error)
-                    rerun, lost = unfinished(rows)
-                    if lost:
-                        fleet.rows_lost += len(lost)
-                        raise RowLostError(
-                            f"row(s) {lost} had already streamed tokens when SGLang "
-                            f"({server.name}) was lost ({error}): their tokens so far stand, "
-                            "the rest cannot be made elsewhere without contradicting them; run "
-                            "those rows again (the same seed gives the same tokens)",
-                            tuple(lost),
-                        )
-                    if rerun:
-                        fleet.rows_rerun += len(rerun)
-                        send(rerun)
-        finally:
-            if running:
-                stop.set()
-                wait(running)
-
-    def _chunks(self, server: SglangServer, body: dict[str, Any]) -> Any:
-        """The parsed chunks of one streamed ``/generate``."""
-        try:
-            with (
-                self._fleet_().streaming(server) as progress,
-                self._client.stream("POST", server.url + "/generate", json=body) as response,
-            ):
-                if response.status_code != 200:
-                    response.read()
-                    raise _refused(server, response)
-                # Lines are split on b"\n" alone: the chunks' text may hold other characters
-                # that count as line breaks in str.splitlines (U+2028, U+0085, ...).
-                pending = b""
-                for data in response.iter_bytes():
-                    progress()
-                    *lines, pending = (pending + data).split(b"\n")
-                    for line in lines:
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            return
-                        yield json.loads(payload)
-        except httpx.HTTPError as exc:
-            raise self._lost(server, exc) from exc
-
-    def _post(
-        self,
-        server: SglangServer,
-        route: str,
-        body: Any,
-        *,
-        json_answer: bool = True,
-    ) -> Any:
-        try:
-            response = self._client.post(server.url + route, json=body)
-        except httpx.HTTPError as exc:
-            raise self._lost(server, exc) from exc
-        if response.status_code != 200:
-            raise _refused(server, response)
-        return response.json() if json_answer else response.text
-
-    def _each_server(
-        self,
-        route: str,
-        body: Any,
-        *,
-        json_answer: bool = True,
-        replicas: Sequence[int] | None = None,
-    ) -> None:
-        """Send one request to each serving server (or to ``replicas``, those of them still
-        serving); a server found lost is reported (healing: it is left out)."""
-        fleet = self._fleet_()
-        for replica in fleet.members() if replicas is None else replicas:
-            server = fleet.servers[replica]
-            if not fleet.is_member(replica, server):
-                continue  # lost since the list was made
-            try:
-                self._post(server, route, body, json_answer=json_answer)
-            except ServerLostError as exc:
-                self._report_lost(replica, exc)
-
-    def _post_anywhere(self, route: str, body: Any) -> Any:
-        """``_post`` to the first serving server, the next one if it is lost on the way."""
-        fleet = self._fleet_()
-        while True:
-            members = fleet.members()
-            if not members:
-                raise fleet.no_replica_serving()
-            server = fleet.servers[members[0]]
-            try:
-                return self._post(server, route, body)
-            except ServerLostError as exc:
-                self._report_lost(members[0], exc)
-
-    def _lost(self, server: SglangServer, exc: BaseException) -> GenerationError:
-        """The error for a request that failed on the way: ``ServerLostError`` when the server
-        is gone (its process exited, or nothing listens on its port), else it did not answer
-        in time."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.process.wait(timeout=3.0)  # a killed server's connections close first
-        died = server.died()
-        if died is not None:
-            return ServerLostError(f"{died} during a request:\n{server.log_tail()}", server)
-        if isinstance(exc, httpx.ConnectError):
-            return ServerLostError(
-                f"the SGLang server ({server.name}, pid {server.process.pid}) runs but refuses "
-                f"connections: {exc!r}",
-                server,
-            )
-        return GenerationError(f"SGLang ({server.name}) did not answer: {exc!r}")
-
-    def _report_lost(self, replica: int, error: ServerLostError) -> None:
-        """Mark replica ``replica``'s server lost. Healing, it is replaced and this returns;
-        fail-stop, the backend is broken.
-
-        Raises:
-            BackendBrokenError: fail-stop (``sglang_cfg.healing: false``).
-        """
-        fleet = self._fleet_()
-        fleet.lose(replica, error.server, str(error))
-        if not fleet.healing:
-            raise BackendBrokenError(str(error)) from error
-
-    # ---- the fleet's replacements ----------------------------------------------------------
-
-    def _load_staged_answer(self, server: SglangServer, version: int) -> Any:
-        """``/update_weights_from_disk`` of the staged checkpoint into ``server``, labelled
-        ``version``: SGLang's answer."""
-        request = {
-            "model_path": str(self._staging().dir),
-            "weight_version": str(version),
-            "load_format": "auto",  # the file holds real weights, whatever the server began with
-        }
-        return self._post(server, "/update_weights_from_disk", request)
-
-    def _load_staged(self, server: SglangServer, version: int) -> None:
-        """A replacement takes the committed weights from the staged checkpoint.
-
-        Raises:
-            WeightUpdateError: SGLang refused them.
-        """
-        answer = self._load_staged_answer(server, version)
-        if not answer.get("success"):
-            raise WeightUpdateError(
-                f"{server.name} refused the staged weights of version {version}: "
-                f"{answer.get('message')}"
-            )
-
-    def _weight_checksum(self, server: SglangServer) -> str:
-        """SGLang's checksum of every parameter ``server`` holds (``/weights_checker``)."""
-        answer = self._post(server, "/weights_checker", {"action": "checksum"})
-        checksum = answer.get("per_engine_checksum")
-        if not answer.get("success") or not checksum:
-            raise GenerationError(
-                f"SGLang ({server.name}) gave no weight checksum: {answer.get('message')}"
-            )
-        return str(checksum)
-
-    def _prepare_replacement(self, server: SglangServer) -> None:
-        """A replacement admitted while the backend sleeps sleeps too."""
-        if self._asleep:
-            self._post(server, "/release_memory_occupation", {})
-
     def _fleet_(self) -> ServerFleet[SglangServer]:
         if self._fleet is None:
             raise GenerationError("this SglangGeneration's servers are not started")
@@ -623,13 +365,6 @@ def _report_token(control: RowControl, row: int, stream: RowStream, j: int) -> N
         stream.topk_ids[j] if k else [],
         stream.topk_logprobs[j] if k else [],
     )
-
-
-def _refused(server: SglangServer, response: httpx.Response) -> GenerationError:
-    text = response.text[:1000]
-    if response.status_code == 400:
-        return GenerationInputError(f"SGLang ({server.name}) refused the request: {text}")
-    return GenerationError(f"SGLang ({server.name}) answered {response.status_code}: {text}")
 
 
 def _resolve_device(device: str) -> str:

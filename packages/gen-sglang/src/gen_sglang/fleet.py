@@ -11,7 +11,7 @@ is what gen-sglang does at each transition:
   as a dead one's do, and their rows move),
   and with ``sglang_cfg.healing`` a replacement starts on a thread while restarts are left
   (``sglang_cfg.max_replica_restarts``). Without healing the first loss breaks the backend
-  (``BackendBrokenError``, raised by the backend), as before.
+  (``BackendBrokenError``, raised by ``report_lost`` to whoever found the loss), as before.
 - **Replacement**: a new server process (``restarting``) until it answers ``/health_generate``,
   then ``stale``. It takes the fleet's current weights: while no update has committed it holds
   them already (it loaded the checkpoint, as the others did); after one, it loads the staged
@@ -44,7 +44,12 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
-from gen_interface import GenerationError, MixedWeightsError, NoReplicaServingError
+from gen_interface import (
+    BackendBrokenError,
+    GenerationError,
+    MixedWeightsError,
+    NoReplicaServingError,
+)
 
 __all__ = ["FleetServer", "ServerFleet", "ServerLostError"]
 
@@ -196,6 +201,17 @@ class ServerFleet(Generic[S]):
             self._spawn(server.stop, f"stop-{replica}")
             self._maybe_replace(replica)
         return True
+
+    def report_lost(self, replica: int, error: ServerLostError) -> None:
+        """A request found replica ``replica``'s server lost (``error``): ``lose`` it. Healing,
+        it is replaced and this returns; fail-stop, the backend is broken.
+
+        Raises:
+            BackendBrokenError: fail-stop (``sglang_cfg.healing: false``).
+        """
+        self.lose(replica, error.server, str(error))
+        if not self.healing:
+            raise BackendBrokenError(str(error)) from error
 
     def _watch_loop(self) -> None:
         while not self._closed.wait(WATCH_PERIOD_S):

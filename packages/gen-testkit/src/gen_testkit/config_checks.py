@@ -194,7 +194,7 @@ def generation_valid_values(backend: str) -> dict[str, dict[str, st.SearchStrate
             "lm_head_fp32": st.booleans(),
             "return_routed_experts": st.booleans(),
             "lora": st.none(),  # a section is checked against the model, by the backend
-            "speculative": st.none(),  # a section names a drafter: checked by the backend
+            "speculative": st.none(),  # a drafter is checked against the model, by the backend
         },
         "colocated": {"enabled": st.booleans()},
     }
