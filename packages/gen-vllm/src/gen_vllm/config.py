@@ -6,12 +6,14 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypedDict, cast
 
 from gen_backend_kit.settings import check_int_setting, complete_backend_settings
-from gen_interface import GenerationConfig, GenerationConfigError
+from gen_backend_kit.speculation import refuse_unoffered_speculation
+from gen_interface import GenerationConfig, GenerationConfigError, SpeculativeConfig
 from gen_interface.nemo_rl_keys import falsy
 from gen_interface.schema import ForeignKey, ForeignKeys
 
 __all__ = [
     "NEMO_RL_ALIASES",
+    "SPECULATIVE_METHODS",
     "VLLM_CFG_DEFAULTS",
     "VLLM_FOREIGN_KEYS",
     "VllmConfig",
@@ -100,6 +102,12 @@ NEMO_RL_ALIASES = (
 )
 
 
+#: The ``speculative.method`` values this backend honours (checked on vLLM's CPU build: a
+#: drafter model with the target's vocabulary, and n-gram lookup in the row itself). vLLM's
+#: "mtp", "eagle" and "eagle3" need prediction heads that were not verified here: refused.
+SPECULATIVE_METHODS: frozenset[str] = frozenset({"draft_model", "ngram"})
+
+
 class VllmConfig(GenerationConfig, total=False):
     """``GenerationConfig`` plus the vLLM engine settings (see ``VllmSpecificArgs``)."""
 
@@ -119,7 +127,11 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
             are named by their path (``vllm_cfg.<key>``).
     """
     out, cfg = complete_backend_settings(
-        config, "vllm_cfg", VLLM_CFG_DEFAULTS, schema=VllmConfig, foreign=VLLM_FOREIGN_KEYS
+        _with_speculative_alias(config),
+        "vllm_cfg",
+        VLLM_CFG_DEFAULTS,
+        schema=VllmConfig,
+        foreign=VLLM_FOREIGN_KEYS,
     )
     _translate_nemo_rl_names(out, cfg, given=out.get("vllm_cfg") or {})
     check_int_setting(cfg, "vllm_cfg", "tensor_parallel_size")
@@ -147,9 +159,72 @@ def complete_vllm_config(config: Mapping[str, Any]) -> VllmConfig:
             "`vllm_cfg.weight_deltas` with `lora`: an adapter refit is already small and is "
             "sent whole; turn weight_deltas off"
         )
+    _check_speculation(out, cfg)
     out["vllm_cfg"] = cfg
     out.setdefault("vllm_kwargs", {})
     return cast(VllmConfig, out)
+
+
+_SPECULATIVE_KEYS = frozenset(SpeculativeConfig.__annotations__)
+
+
+def _with_speculative_alias(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``config`` with NeMo RL's ``vllm_kwargs.speculative_config`` moved to ``speculative``
+    (vLLM's names are this project's), or ``config`` itself when it has none."""
+    passed = config.get("vllm_kwargs")
+    if not isinstance(passed, Mapping) or "speculative_config" not in passed:
+        return config
+    section = passed["speculative_config"]
+    out = dict(config)
+    out["vllm_kwargs"] = {k: v for k, v in passed.items() if k != "speculative_config"}
+    if section is None:
+        return out
+    if config.get("speculative") is not None:
+        raise GenerationConfigError(
+            "`vllm_kwargs.speculative_config` and `speculative` are both set: set one of them "
+            "(`speculative` is this project's name; NeMo RL's is translated to it)"
+        )
+    if not isinstance(section, Mapping):
+        raise GenerationConfigError(
+            f"`vllm_kwargs.speculative_config` must be a dict, got {section!r}"
+        )
+    unknown = sorted(set(section) - _SPECULATIVE_KEYS)
+    if unknown:
+        raise GenerationConfigError(
+            f"`vllm_kwargs.speculative_config` has key(s) {unknown} that this backend does not "
+            f"offer; its keys are {sorted(_SPECULATIVE_KEYS)} (the top-level `speculative`)"
+        )
+    out["speculative"] = dict(section)
+    return out
+
+
+def _check_speculation(out: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    """Refuse a ``speculative`` method this backend does not offer, and the settings vLLM does
+    not honour under speculation (each by name)."""
+    section = out.get("speculative")
+    refuse_unoffered_speculation(out, "VllmGeneration", SPECULATIVE_METHODS)
+    if not section:
+        return
+    method = section["method"]
+    if out.get("return_routed_experts"):
+        raise GenerationConfigError(
+            f"return_routed_experts with speculative (method {method!r}): a speculative step "
+            "routes draft positions the target may reject, so the routing read would not be "
+            "the emitted tokens'; turn one of them off"
+        )
+    if float(out.get("min_p") or 0.0) > 0:
+        raise GenerationConfigError(
+            f"min_p = {out['min_p']} with speculative (method {method!r}): vLLM's speculative "
+            "sampler has no min_p (it refuses such requests), so rows cannot be sampled as "
+            "asked; set min_p to 0 or leave speculative out"
+        )
+    if method == "draft_model" and cfg["load_format"] == "dummy":
+        raise GenerationConfigError(
+            "speculative.method 'draft_model' with vllm_cfg.load_format 'dummy' (a config made "
+            "with is_eval=False): vLLM builds the drafter with the target's load format, so the "
+            "drafter would keep random weights (weight updates reach the target only) and "
+            "propose nothing worth verifying; set vllm_cfg.load_format to 'auto'"
+        )
 
 
 def _translate_nemo_rl_names(

@@ -75,6 +75,10 @@ class StepOutput:
         whole: ``token_ids`` are the row's every token, not only this step's.
         weight_versions: the weight version that produced each of ``token_ids`` (vLLM's own
             spans), or None: this step's tokens, all from the weights in force now.
+        speculation: once the request ended, with speculative decoding on, its
+            ``(drafts, proposed, accepted)``: verifying steps that had draft tokens, the draft
+            tokens proposed, and of them the ones accepted (vLLM's per-request summary); None
+            otherwise.
     """
 
     request_id: str
@@ -90,6 +94,7 @@ class StepOutput:
     routed_experts: Any = None
     whole: bool = False
     weight_versions: list[int] | None = None
+    speculation: tuple[int, int, int] | None = None
 
 
 class EngineProtocol(Protocol):
@@ -111,7 +116,7 @@ class EngineProtocol(Protocol):
         """Drop requests; they produce no further output. Returns, for each request that was
         still running, its final output: finish reason ``"abort"``, and the tokens it had
         generated (all of them, ``whole``, for a request that does not stream; none for one
-        that does, whose tokens were reported step by step)."""
+        that does, whose tokens were reported step by step), and its ``speculation`` so far."""
 
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running."""
@@ -231,6 +236,7 @@ class VllmEngine:
             routed_experts=completion.routed_experts if request.finished else None,
             whole=whole,
             weight_versions=_versions(completion.weight_versions, len(tokens)) if whole else None,
+            speculation=_speculation(completion.spec_decode_metrics) if request.finished else None,
         )
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
@@ -243,6 +249,11 @@ class VllmEngine:
                 state = processor.request_states.get(internal)
                 if state is None:
                     continue
+                # vLLM attaches a request's acceptance to its last engine output only: an
+                # aborted one's is read from the scheduler, which still holds the request
+                scheduled = self._core().scheduler.requests.get(internal)
+                if scheduled is not None and scheduled.spec_decode_metrics is not None:
+                    state.spec_decode_metrics = scheduled.spec_decode_metrics
                 output = state.make_request_output([], None, FinishReason.ABORT, None)
                 if output is not None:
                     finals.append(self._step_output(cast("RequestOutput", output)))
@@ -323,6 +334,16 @@ def _versions(spans: Any, count: int) -> list[int] | None:
     for span in spans:
         versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
     return versions
+
+
+def _speculation(metrics: Any) -> tuple[int, int, int] | None:
+    """``(drafts, proposed, accepted)`` from vLLM's ``RequestSpecDecodeMetrics`` (None when
+    speculation is off): ``histogram[j]`` verifying steps accepted j draft tokens."""
+    if metrics is None:
+        return None
+    histogram = list(metrics.histogram)
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    return sum(histogram), int(metrics.num_draft_tokens), accepted
 
 
 def _lora_request(fields: dict[str, Any]) -> Any:

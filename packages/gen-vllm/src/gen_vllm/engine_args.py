@@ -23,6 +23,7 @@ __all__ = [
     "engine_args_for",
     "resolve_dtype",
     "sleeps_on_finish",
+    "speculative_engine_args",
     "wants_tokenizer",
 ]
 
@@ -140,11 +141,28 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
             args.update(lora_engine_args(lora_settings(section)))
         except (ValueError, OSError, KeyError) as exc:
             raise GenerationConfigError(f"lora: {exc}") from exc
+    speculative = speculative_engine_args(config)
+    if speculative:
+        args.update(speculative)
     if config.get("lm_head_fp32"):
         # vLLM's own switch (ModelConfig.head_dtype): the lm_head runs in float32, its weight
         # cast as it is applied; the sampler's log-softmax is in float32 already.
         args["hf_overrides"] = {**(passed.get("hf_overrides") or {}), "head_dtype": "float32"}
     return args
+
+
+def speculative_engine_args(config: VllmConfig) -> dict[str, Any]:
+    """The engine arguments of ``config["speculative"]`` (none when it is off): vLLM's
+    ``speculative_config`` (the same keys, unset ones left out) and its per-request acceptance
+    summary, which each finished request carries back (``StepOutput.speculation``) so the
+    backend counts drafts without vLLM's own statistics."""
+    section = config.get("speculative")
+    if not section:
+        return {}
+    return {
+        "speculative_config": {k: v for k, v in section.items() if v is not None},
+        "per_request_spec_decode_metrics": "summary",
+    }
 
 
 #: Engine arguments the backend sets itself, and the ``vllm_cfg`` key (or reason) behind each.
@@ -161,6 +179,9 @@ RESERVED_ENGINE_ARGS: dict[str, str] = {
     "distributed_executor_backend": "the placement on the Ray cluster",
     "kv_cache_memory_bytes": "`vllm_cfg.cpu_kv_cache_gib` (CPU) or "
     "`vllm_cfg.gpu_memory_utilization` (CUDA)",
+    "speculative_config": "the top-level `speculative` (vLLM's keys)",
+    "per_request_spec_decode_metrics": "the top-level `speculative`: the backend reads each "
+    "request's acceptance itself (get_logger_metrics)",
     **{key: f"`vllm_cfg.{key}`" for key in VLLM_CFG_DEFAULTS if key != "cpu_kv_cache_gib"},
 }
 

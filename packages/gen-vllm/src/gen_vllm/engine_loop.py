@@ -338,6 +338,8 @@ class EngineLoop:
             out.prompt_topk_logprobs = step.prompt_topk_logprobs
         if step.cached_tokens is not None:
             out.cached_tokens = step.cached_tokens
+        if step.speculation is not None:
+            out.speculation = step.speculation
         if step.routed_experts is not None and self._routing == "native":
             out.routed_experts = to_wire(np.asarray(step.routed_experts), self._experts)
         if step.finish_reason is not None:

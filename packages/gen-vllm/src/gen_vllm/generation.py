@@ -30,6 +30,7 @@ from gen_interface import (
     GenerationConfig,
     GenerationConfigError,
     GenerationError,
+    GenerationInputError,
     InFlight,
     NoReplicaServingError,
     RowEvent,
@@ -40,7 +41,12 @@ from gen_interface.weights.handles import WeightBase, WeightHandles
 
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
-from gen_vllm.config import VLLM_FOREIGN_KEYS, VllmConfig, complete_vllm_config
+from gen_vllm.config import (
+    SPECULATIVE_METHODS,
+    VLLM_FOREIGN_KEYS,
+    VllmConfig,
+    complete_vllm_config,
+)
 from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for, engine_env, routing_mode
@@ -81,6 +87,7 @@ class VllmGeneration(GenerationBackend):
     config_schema: ClassVar[type] = VllmConfig
     config_foreign_keys: ClassVar[ForeignKeys] = VLLM_FOREIGN_KEYS
     settings_key: ClassVar[str | None] = "vllm_cfg"
+    speculative_methods: ClassVar[frozenset[str]] = SPECULATIVE_METHODS
 
     def __init__(
         self,
@@ -282,6 +289,11 @@ class VllmGeneration(GenerationBackend):
             )
         if not self.has_tokenizer:
             notes.append("no tokenizer loaded: stop strings are refused")
+        if not on_gpu and self.config.get("speculative"):
+            notes.append(
+                "speculative: only greedy rows on CPU (vLLM's CPU build samples drafted rows "
+                "from the wrong distribution)"
+            )
         if not on_gpu:
             notes.append(
                 "batch_invariant is refused: vLLM's batch-invariant kernels need CUDA (Triton)"
@@ -304,6 +316,7 @@ class VllmGeneration(GenerationBackend):
             refit_buffers=2,
             batch_invariant=on_gpu,
             routed_experts=bool(self.config["vllm_cfg"]["enforce_eager"]) or on_gpu,
+            speculative=SPECULATIVE_METHODS,
             notes=tuple(notes),
         )
 
@@ -354,6 +367,7 @@ class VllmGeneration(GenerationBackend):
     ) -> tuple[list[RowRequest], list[int]]:
         """Each row's request (ids unique among calls in flight) and its token budget;
         ``stream``: the rows report their tokens as they come."""
+        _refuse_what_speculation_cannot_sample(call, self.config, on_gpu=self.cluster.use_gpus)
         prompts = call.prompts.prompts()
         params = row_sampling_params(
             call.sampling,
@@ -445,13 +459,15 @@ class VllmGeneration(GenerationBackend):
         seconds they took, the prompt tokens of generated rows that vLLM's prefix caches were
         asked for and held (its own ``num_cached_tokens`` per request), and how long the
         engines' outputs took from the end of the step that made them to this process's router
-        and to its caller (``delivery.py``)."""
+        and to its caller (``delivery.py``), and speculative decoding's drafts, proposed and
+        accepted tokens (``SpeculationCounts``: zeros while it is off)."""
         router = self._router
         if clear:
             router.tokens = [0] * len(router.tokens)
             router.engine_steps = [0] * len(router.engine_steps)
             router.engine_seconds = [0.0] * len(router.engine_seconds)
             router.prompt_tokens = router.cached_tokens = 0
+            router.speculation.clear()
             self._delivery.clear()
             router.arrivals.clear()
         return {
@@ -463,6 +479,7 @@ class VllmGeneration(GenerationBackend):
             },
             "prefix_cache_queries_total": router.prompt_tokens,
             "prefix_cache_hits_total": router.cached_tokens,
+            **router.speculation.metrics(),
             **router.arrivals.snapshot(),
             **self._delivery.snapshot(),
             **(self.fleet.metrics() if self.fleet is not None else {}),
@@ -556,6 +573,35 @@ class VllmGeneration(GenerationBackend):
 
     def _updated_ids(self) -> list[int]:
         return self.replicas.member_ids() if self.fleet is None else self.fleet.updated_ids()
+
+
+def _refuse_what_speculation_cannot_sample(
+    call: GenerationCall, config: VllmConfig, *, on_gpu: bool
+) -> None:
+    """Raise ``GenerationInputError`` for a row that speculative decoding would sample wrongly:
+    on CPU any sampled row (vLLM's CPU build verifies drafts of sampled rows with temperature,
+    top-p and top-k read from memory its Triton-only kernels never fill: a top-k row kills the
+    engine, the others draw from the wrong distribution; greedy rows are exact), and anywhere
+    a sampled row with ``min_p > 0`` (vLLM's speculative sampler has no min_p)."""
+    section = config.get("speculative")
+    if not section:
+        return
+    for i, row in enumerate(call.sampling.rows):
+        if not row.greedy and not on_gpu:
+            raise GenerationInputError(
+                f"sampling row {i}: temperature {row.temperature} with speculative (method "
+                f"{section['method']!r}) on CPU: vLLM's CPU build verifies sampled rows' drafts "
+                "with sampling settings its GPU-only kernels never fill (wrong tokens, or a "
+                "dead engine with top_k), so only greedy rows are served; generate greedily, "
+                "or build the backend without speculative"
+            )
+        if not row.greedy and row.min_p > 0:
+            raise GenerationInputError(
+                f"sampling row {i}: min_p = {row.min_p} with speculative (method "
+                f"{section['method']!r}): vLLM's speculative sampler has no min_p, so the row "
+                "cannot be sampled as asked; set its min_p to 0, or build the backend without "
+                "speculative"
+            )
 
 
 def _row_result(row: RowOutput, routing: tuple[int, int, int] | None) -> RowResult:

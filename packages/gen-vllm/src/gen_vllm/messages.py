@@ -92,6 +92,9 @@ class RowOutput:
     # with return_routed_experts: [positions read, layers, top_k] in the wire dtype
     # (gen_vllm.routing.read_routing)
     routed_experts: bytes | None = None
+    # speculative decoding: (verifying steps with drafts, draft tokens proposed, of them
+    # accepted) over the row's life; zeros when speculation is off
+    speculation: tuple[int, int, int] = (0, 0, 0)
 
     def packed(self) -> RowOutput:
         """This row with its per-token fields as numpy arrays: ``token_ids`` and

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
+from gen_backend_kit.speculation import SpeculationCounts
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 
 from gen_vllm.delivery import DeliveryTimes
@@ -139,6 +140,8 @@ class RowRouter:
         self.cached_tokens = 0  # of those, the tokens the replicas' prefix caches held
         self.engine_steps = [0] * len(replicas)  # engine steps, per replica
         self.engine_seconds = [0.0] * len(replicas)  # the time those steps took
+        #: Drafts, proposed and accepted tokens of the generated rows (speculative decoding).
+        self.speculation = SpeculationCounts()
         #: From a step's end to its rows' tokens or results reaching this router.
         self.arrivals = DeliveryTimes("step_to_driver")
         self._homes: OrderedDict[str, int] = OrderedDict()  # session -> its replica
@@ -329,6 +332,9 @@ class RowRouter:
                 self.tokens[replica] += len(row.token_ids)
                 self.prompt_tokens += prompt_length
                 self.cached_tokens += row.cached_tokens
+                drafts, proposed, accepted = row.speculation
+                if drafts or proposed:
+                    self.speculation.add(drafts=drafts, proposed=proposed, accepted=accepted)
             part(call).append((index, row))
         engine_failed = None
         for failure in batch.failed:
