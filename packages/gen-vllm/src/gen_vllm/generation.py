@@ -289,11 +289,6 @@ class VllmGeneration(GenerationBackend):
             )
         if not self.has_tokenizer:
             notes.append("no tokenizer loaded: stop strings are refused")
-        if not on_gpu and self.config.get("speculative"):
-            notes.append(
-                "speculative: only greedy rows on CPU (vLLM's CPU build samples drafted rows "
-                "from the wrong distribution)"
-            )
         if not on_gpu:
             notes.append(
                 "batch_invariant is refused: vLLM's batch-invariant kernels need CUDA (Triton)"
@@ -367,7 +362,7 @@ class VllmGeneration(GenerationBackend):
     ) -> tuple[list[RowRequest], list[int]]:
         """Each row's request (ids unique among calls in flight) and its token budget;
         ``stream``: the rows report their tokens as they come."""
-        _refuse_what_speculation_cannot_sample(call, self.config, on_gpu=self.cluster.use_gpus)
+        _refuse_what_speculation_cannot_sample(call, self.config)
         prompts = call.prompts.prompts()
         params = row_sampling_params(
             call.sampling,
@@ -575,26 +570,15 @@ class VllmGeneration(GenerationBackend):
         return self.replicas.member_ids() if self.fleet is None else self.fleet.updated_ids()
 
 
-def _refuse_what_speculation_cannot_sample(
-    call: GenerationCall, config: VllmConfig, *, on_gpu: bool
-) -> None:
+def _refuse_what_speculation_cannot_sample(call: GenerationCall, config: VllmConfig) -> None:
     """Raise ``GenerationInputError`` for a row that speculative decoding would sample wrongly:
-    on CPU any sampled row (vLLM's CPU build verifies drafts of sampled rows with temperature,
-    top-p and top-k read from memory its Triton-only kernels never fill: a top-k row kills the
-    engine, the others draw from the wrong distribution; greedy rows are exact), and anywhere
-    a sampled row with ``min_p > 0`` (vLLM's speculative sampler has no min_p)."""
+    a sampled row with ``min_p > 0`` (vLLM's speculative sampler has no min_p). (On CPU,
+    sampled rows are right only with this project's expand kernel, ``cpu_kernels``, which every
+    worker registers.)"""
     section = config.get("speculative")
     if not section:
         return
     for i, row in enumerate(call.sampling.rows):
-        if not row.greedy and not on_gpu:
-            raise GenerationInputError(
-                f"sampling row {i}: temperature {row.temperature} with speculative (method "
-                f"{section['method']!r}) on CPU: vLLM's CPU build verifies sampled rows' drafts "
-                "with sampling settings its GPU-only kernels never fill (wrong tokens, or a "
-                "dead engine with top_k), so only greedy rows are served; generate greedily, "
-                "or build the backend without speculative"
-            )
         if not row.greedy and row.min_p > 0:
             raise GenerationInputError(
                 f"sampling row {i}: min_p = {row.min_p} with speculative (method "
