@@ -26,6 +26,7 @@ from gen_interface.seeds import derive_sample_seeds
 from gen_remote.config import RemoteConfig, complete_remote_config, remote_settings
 from gen_remote.rows import GENERATE, RowAssembly, generate_body, score_body, scored_row_from_answer
 from gen_remote.server import ServerInfo
+from gen_remote.speculation import ServerSpeculation, check_speculation, with_server_speculation
 from gen_remote.text import RemoteTextCodec
 from gen_remote.weights import RemoteWeights
 from gen_remote.wire import Wire
@@ -40,14 +41,17 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
     """A backend whose model runs behind a gen-serve server (or vLLM's own server).
 
     ``{"backend": "remote", "remote_cfg": {"base_url": "http://host:8000"}}`` is a complete
-    config: ``model_name``, ``pad_token_id`` and ``stop_token_ids`` default to the server's, the
-    sampling keys to the interface's defaults. ``shutdown`` closes this client only; the server
-    and its backend keep running.
+    config: ``model_name``, ``pad_token_id``, ``stop_token_ids`` and ``speculative`` default to
+    the server's, the sampling keys to the interface's defaults. While the server speculates,
+    ``get_logger_metrics`` adds its ``speculative_*`` metrics since this client connected or
+    last cleared them (``speculation``). ``shutdown`` closes this client only; the server and
+    its backend keep running.
 
     Raises:
         BackendUnavailableError: the server cannot be reached.
         GenerationConfigError: the config is invalid, or asks what the server cannot do (another
-            ``logprobs_mode`` than the server's backend, a staleness bound on vLLM's server).
+            ``logprobs_mode`` or ``speculative`` than the server's backend, a staleness bound on
+            vLLM's server).
     """
 
     config_schema = RemoteConfig
@@ -70,6 +74,10 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
             self._wire.close()
             raise
         self._announced = 0
+        #: The server's speculative metrics, forwarded while it speculates (None: it does not).
+        self._speculation = ServerSpeculation(self._wire) if complete.get("speculative") else None
+        if self._speculation is not None:
+            self._speculation.clear()  # count from the server's totals now
         super().__init__(
             complete,
             vocab_size=self.server.vocab_size,
@@ -201,6 +209,15 @@ class RemoteGeneration(RemoteWeights, GenerationBackend):
         answer = self._wire.call("POST", "/reset_prefix_cache")
         return bool(answer.get("success", True)) if isinstance(answer, dict) else True
 
+    def _extra_metrics(self, clear: bool = False) -> dict[str, int | float]:
+        """The server's ``speculative_*`` metrics while it speculates (``speculation``)."""
+        if self._speculation is None:
+            return {}
+        if clear:
+            self._speculation.clear()
+            return {}
+        return self._speculation.metrics()
+
     def _newest_announced(self) -> int:
         return self._announced
 
@@ -238,6 +255,7 @@ def _with_server_defaults(config: Mapping[str, Any], server: ServerInfo) -> dict
     for key in _THE_SERVERS:  # what the server's backend computes with: its values
         if key not in config and key in theirs:
             out[key] = theirs[key]
+    with_server_speculation(out, config, server)
     for key in ("pad_token_id", "stop_token_ids"):
         if out.get(key) is None:
             raise GenerationConfigError(
@@ -257,6 +275,7 @@ def _check_against_server(config: Mapping[str, Any], server: ServerInfo) -> None
                 f"{key} is {here!r} here but {there!r} in the server's backend, which computes "
                 f"with it: leave {key} out, or start the server with {key}: {here!r}"
             )
+    check_speculation(config, server)
     if server.dialect == "vllm" and config.get("max_weight_staleness") is not None:
         raise GenerationConfigError(_NO_STALENESS)
 

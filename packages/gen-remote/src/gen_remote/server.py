@@ -146,8 +146,18 @@ class ServerInfo:
             refit_buffers=int(caps["refit_buffers"]),
             batch_invariant=bool(self.config.get("batch_invariant")),
             routed_experts=self.routed_experts is not None,
+            speculative=self.speculative_methods(),
             notes=tuple(notes),
         )
+
+    def speculative_methods(self) -> frozenset[str]:
+        """The ``speculative.method`` a client of this server honours: the one its backend runs
+        (a client's ``speculative`` must equal the server's), none when it runs none."""
+        section = self.config.get("speculative")
+        if self.dialect != "gen-serve" or not isinstance(section, dict):
+            return frozenset()
+        offered = set(self.capabilities.get("speculative") or ())
+        return frozenset({section["method"]}) & frozenset(offered)
 
 
 def _pair(value: Any) -> tuple[int, int] | None:

@@ -3,11 +3,12 @@
     uv run gen-serve --backend hf --model DIR [--host 127.0.0.1] [--port 8000] [--config FILE]
 
 ``--config`` is a YAML or JSON generation config (checked like every config); the command line
-fills ``backend`` and ``model_name`` and the server-side settings. ``--replicas`` reaches
-backends whose ``create`` takes it (gen-vllm). The server listens on 127.0.0.1 unless told
-otherwise, and stops cleanly on SIGTERM, sent to it alone, to its process group or to every
-process of the service: requests in flight get ``--graceful-seconds`` to finish, then the
-backend shuts down.
+fills ``backend`` and ``model_name`` and the server-side settings; ``--speculative JSON`` sets
+the config's ``speculative`` section (speculative decoding, where the backend offers it).
+``--replicas`` reaches backends whose ``create`` takes it (gen-vllm). The server listens on
+127.0.0.1 unless told otherwise, and stops cleanly on SIGTERM, sent to it alone, to its process
+group or to every process of the service: requests in flight get ``--graceful-seconds`` to
+finish, then the backend shuts down.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, help="engines, for backends that take it")
     parser.add_argument("--dtype", help="model dtype (overrides the config's)")
     parser.add_argument("--max-model-len", type=int, help="context limit (vLLM's name)")
+    parser.add_argument(
+        "--speculative",
+        metavar="JSON",
+        help="speculative decoding, the config's `speculative` section as JSON (overrides the "
+        'config\'s), e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
     parser.add_argument("--max-requests", type=int, default=1024)
     parser.add_argument("--max-rows-per-request", type=int, default=1024)
     parser.add_argument("--max-body-bytes", type=int, default=32 << 20)
@@ -80,12 +87,28 @@ def serve_backend_config(args: argparse.Namespace) -> dict[str, Any]:
                 f"--max-model-len: backend {config.get('backend')!r} has no such setting"
             )
         config.setdefault(key, {})["max_model_len"] = args.max_model_len
+    if args.speculative:
+        config["speculative"] = _speculative_section(args.speculative)
     missing = [k for k in ("backend", "model_name") if not config.get(k)]
     if missing:
         raise SystemExit(f"gen-serve needs {missing}: give --backend and --model, or a --config")
     # Requests carry their own sampling settings; the config's are the defaults of none.
     config.setdefault("seed", None)
     return config
+
+
+def _speculative_section(text: str) -> dict[str, Any]:
+    """``--speculative``'s JSON object (its keys are checked with the rest of the config)."""
+    try:
+        section = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--speculative must be a JSON object: {exc}") from exc
+    if not isinstance(section, dict):
+        raise SystemExit(
+            f"--speculative must be a JSON object such as "
+            f'\'{{"method": "ngram", "num_speculative_tokens": 3}}\', got {text!r}'
+        )
+    return section
 
 
 def main(argv: list[str] | None = None) -> None:

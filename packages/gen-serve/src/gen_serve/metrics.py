@@ -2,6 +2,12 @@
 read them unchanged), plus the weight version and update times this server adds, and every
 value of the backend's ``get_logger_metrics`` as ``gen:backend_<name>``, read at each scrape.
 
+The speculative decoding metrics (``speculative_*``, gen-backend-kit's ``speculation``) are typed:
+the three totals are counters, the acceptance rate and mean accepted length gauges, each with its
+meaning as help; the totals are also exported under vLLM's names
+(``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+``..._num_accepted_tokens_total``), so that vLLM's speculative decoding dashboards read them.
+
 The backend's values are read on a thread of their own (``ServerMetrics.read_backend``), never
 on the event loop: a backend whose read waits on a lock, or on another process, cannot stall
 the requests in flight. ``/metrics`` and ``/health`` both read them that way."""
@@ -12,9 +18,10 @@ import asyncio
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["BACKEND_READ_TIMEOUT_S", "ServerMetrics"]
 
@@ -127,7 +134,7 @@ class ServerMetrics:
 
     def render(self, backend_values: Mapping[str, int | float] | None = None) -> bytes:
         """The Prometheus text of every metric, with ``backend_values`` (``read_backend``'s)
-        as ``gen:backend_<name>`` gauges."""
+        as ``gen:backend_<name>`` (gauges, but for the typed speculative metrics)."""
         text = generate_latest(self.registry)
         if backend_values:
             text += generate_latest(_BackendMetrics(backend_values, self._labels))
@@ -141,25 +148,67 @@ class ServerMetrics:
 
 
 class _BackendMetrics:
-    """One reading of the backend's ``get_logger_metrics``, as gauges named
-    ``gen:backend_<name>`` (characters Prometheus refuses in a name become ``_``; values that
-    are not numbers are left out)."""
+    """One reading of the backend's ``get_logger_metrics``, as metrics named
+    ``gen:backend_<name>``: gauges, but for ``_TYPED``'s (characters Prometheus refuses in a
+    name become ``_``; values that are not numbers are left out)."""
 
     def __init__(self, values: Mapping[str, int | float], labels: dict[str, str]):
         self._values = values
         self._labels = labels
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
+        labels, label_values = list(self._labels), list(self._labels.values())
         for name, value in sorted(self._values.items()):
             if not isinstance(value, int | float):
                 continue
-            family = GaugeMetricFamily(
-                f"gen:backend_{_INVALID.sub('_', name)}",
-                f"the backend's get_logger_metrics()[{name!r}]",
-                labels=list(self._labels),
-            )
-            family.add_metric(list(self._labels.values()), float(value))
+            metric_name = f"gen:backend_{_INVALID.sub('_', name)}"
+            typed = _TYPED.get(name)
+            doc = typed.help if typed else f"the backend's get_logger_metrics()[{name!r}]"
+            kind = CounterMetricFamily if typed and typed.counter else GaugeMetricFamily
+            family = kind(metric_name, doc, labels=labels)
+            family.add_metric(label_values, float(value))
             yield family
+            if typed is not None and typed.vllm_name is not None:
+                vllm_family = CounterMetricFamily(typed.vllm_name, typed.help, labels=labels)
+                vllm_family.add_metric(label_values, float(value))
+                yield vllm_family
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """How one of the backend's metrics is exported: a counter or a gauge, its help, and the
+    name vLLM gives the same counter (None: vLLM has none)."""
+
+    counter: bool
+    help: str
+    vllm_name: str | None = None
+
+
+#: The backend metrics exported with a type and help of their own: gen-backend-kit's
+#: ``speculation.SPECULATION_METRICS`` (every speculating backend reports them).
+_TYPED: dict[str, _Typed] = {
+    "speculative_drafts_total": _Typed(
+        True,
+        "Speculative decoding: verifying steps of a row that had draft tokens.",
+        "vllm:spec_decode_num_drafts",
+    ),
+    "speculative_proposed_tokens_total": _Typed(
+        True, "Speculative decoding: draft tokens proposed.", "vllm:spec_decode_num_draft_tokens"
+    ),
+    "speculative_accepted_tokens_total": _Typed(
+        True,
+        "Speculative decoding: draft tokens accepted by the target model.",
+        "vllm:spec_decode_num_accepted_tokens",
+    ),
+    "speculative_acceptance_rate": _Typed(
+        False, "Speculative decoding: accepted / proposed draft tokens (0 before any)."
+    ),
+    "speculative_mean_accepted_length": _Typed(
+        False,
+        "Speculative decoding: tokens a verifying step emits, 1 + accepted / drafts (0 before "
+        "any).",
+    ),
+}
 
 
 #: Characters a Prometheus metric name may not hold.
