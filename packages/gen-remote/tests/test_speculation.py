@@ -27,10 +27,7 @@ PROMPTS = [[5, 6, 7, 9], [11, 2], [40, 41, 42, 43, 44, 45]]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    thread, backend = speculating_server()
-    yield thread
-    thread.stop()
-    backend.shutdown()
+    yield from speculating_server()
 
 
 def client_config(server: ServerThread, **extra: Any) -> dict[str, Any]:

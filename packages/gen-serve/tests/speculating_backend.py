@@ -4,6 +4,7 @@ the speculation tests of gen-serve and gen-remote need, with no engine to start.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from fleet_backend import ngram_app, ngram_config
@@ -21,8 +22,11 @@ def speculating_config(**extra: Any) -> dict[str, Any]:
     return {**ngram_config(), "speculative": dict(SPECULATIVE), **extra}
 
 
-def speculating_server() -> tuple[ServerThread, NgramGeneration]:
-    """gen-serve over a speculating n-gram backend (no tokenizer: token-id prompts only), and
-    the backend; stop the server, then shut the backend down."""
+def speculating_server() -> Iterator[ServerThread]:
+    """gen-serve over a speculating n-gram backend (no tokenizer: token-id prompts only), for
+    a module-scoped fixture: yields the server, then stops it and shuts the backend down."""
     backend = NgramGeneration(speculating_config())  # type: ignore[arg-type]
-    return ServerThread(ngram_app(backend)), backend
+    thread = ServerThread(ngram_app(backend))
+    yield thread
+    thread.stop()
+    backend.shutdown()

@@ -19,10 +19,7 @@ PROMPT = [5, 6, 7, 9]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    thread, backend = speculating_server()
-    yield thread
-    thread.stop()
-    backend.shutdown()
+    yield from speculating_server()
 
 
 def families(server: ServerThread) -> dict[str, Any]:
