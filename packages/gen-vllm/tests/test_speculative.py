@@ -299,7 +299,9 @@ def test_settings_speculation_cannot_honour_are_refused_by_name(tiny_llama, draf
         complete(_config(tiny_llama, speculative=draft, lora=lora))
     deltas = _config(tiny_llama, speculative=draft)
     deltas["vllm_cfg"]["weight_deltas"] = True
-    with pytest.raises(GenerationConfigError, match="'draft_model' with `vllm_cfg.weight_deltas`"):
+    with pytest.raises(
+        GenerationConfigError, match=r"'draft_model' with `vllm_cfg\.weight_deltas`"
+    ):
         complete(deltas)
 
 
@@ -331,7 +333,7 @@ def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
         )
 
 
-# ---- the drafter's weights: a refit group of their own --------------------------------------------
+# ---- the drafter's weights: a refit group of their own -----------------------------------------
 
 
 def _acceptance(backend):

@@ -234,8 +234,9 @@ def _check_speculation(out: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
         raise GenerationConfigError(
             "speculative.method 'draft_model' with vllm_cfg.load_format 'dummy' (a config made "
             "with is_eval=False): vLLM builds the drafter with the target's load format, so the "
-            "drafter would keep random weights (weight updates reach the target only) and "
-            "propose nothing worth verifying; set vllm_cfg.load_format to 'auto'"
+            "drafter would keep random weights until an update carries the drafter's (its "
+            "'drafter.' group) and propose nothing worth verifying; set vllm_cfg.load_format "
+            "to 'auto'"
         )
 
 
