@@ -45,6 +45,13 @@ def drafter(tiny_llama, tmp_path_factory):
     return out
 
 
+def _checkpoint(path, prefix=""):
+    """A checkpoint directory's tensors, names prefixed with ``prefix``."""
+    from safetensors.torch import load_file
+
+    return {prefix + k: v for k, v in load_file(str(path / "model.safetensors")).items()}
+
+
 def _config(model, **extra):
     return conformance_config(
         backend="vllm",
@@ -287,6 +294,15 @@ def test_settings_speculation_cannot_honour_are_refused_by_name(tiny_llama, draf
     dummy["vllm_cfg"]["load_format"] = "dummy"
     with pytest.raises(GenerationConfigError, match="drafter would keep random weights"):
         complete(dummy)
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}
+    with pytest.raises(GenerationConfigError, match="'draft_model' with `lora`"):
+        complete(_config(tiny_llama, speculative=draft, lora=lora))
+    deltas = _config(tiny_llama, speculative=draft)
+    deltas["vllm_cfg"]["weight_deltas"] = True
+    with pytest.raises(
+        GenerationConfigError, match=r"'draft_model' with `vllm_cfg\.weight_deltas`"
+    ):
+        complete(deltas)
 
 
 def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
@@ -317,6 +333,70 @@ def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
         )
 
 
+# ---- the drafter's weights: a refit group of their own -----------------------------------------
+
+
+def _acceptance(backend):
+    backend.clear_logger_metrics()
+    backend.with_sampling(max_new_tokens=16, stop_token_ids=[]).generate(
+        pad_prompts(PROMPTS, "left"), greedy=True
+    )
+    return backend.get_logger_metrics()["speculative_acceptance_rate"]
+
+
+def _scrambled(tensors):
+    noise = torch.Generator().manual_seed(11)
+    return {n: w[torch.randperm(w.shape[0], generator=noise)] for n, w in tensors.items()}
+
+
+def test_target_and_drafter_refit_together_and_a_target_refit_leaves_the_drafter(
+    drafted, plain, tiny_llama, drafter
+):
+    """One transaction takes the target's and the drafter's weights; the drafter's version is
+    the last update's that carried them: a target-only refit neither moves it nor reaches the
+    drafter, and a dropped update that carried them leaves the drafter as it was."""
+    from gen_interface.weights import refit
+    from gen_interface.weights.producer import share_weights
+
+    target, trained = _checkpoint(tiny_llama.path), _checkpoint(drafter, "drafter.")
+    batch = pad_prompts(PROMPTS, "left")
+    expected = plain.with_sampling(max_new_tokens=16).generate(batch, greedy=True)
+    good = _acceptance(drafted)
+    both = refit(drafted, {**target, **_scrambled(trained)})
+    assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == both
+    bad = _acceptance(drafted)
+    assert bad < good, (bad, good)
+    target_only = refit(drafted, target)
+    assert target_only > both
+    assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == both
+    assert _acceptance(drafted) == pytest.approx(bad)  # the drafter kept its weights
+    # a dropped update carrying the trained drafter: nothing reaches the drafter
+    drafted.start_weight_update()
+    with share_weights(trained) as shared:
+        drafted.update_weights_from_ipc_handles(shared.handles)
+    drafted.abort_weight_update()
+    assert drafted.weight_version == target_only
+    assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == both
+    assert _acceptance(drafted) == pytest.approx(bad)
+    restored = refit(drafted, trained)
+    assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == restored
+    assert _acceptance(drafted) == pytest.approx(good)
+    out = drafted.with_sampling(max_new_tokens=16).generate(batch, greedy=True)
+    report = compare_generations(
+        expected, out, logprob_atol=TOLERANCE.logprob_atol, near_tie=TOLERANCE.near_tie
+    )
+    assert not [r for r in report.rows if r.status == "mismatch"], report.rows
+
+
+def test_the_plain_engine_reports_no_drafter_and_refuses_drafter_tensors(plain, drafter):
+    from gen_interface import WeightUpdateError
+    from gen_interface.weights import refit
+
+    assert "speculative_drafter_weight_version" not in plain.get_logger_metrics()
+    with pytest.raises(WeightUpdateError, match="drafter"):
+        refit(plain, _checkpoint(drafter, "drafter."))
+
+
 # ---- the testkit's speculative properties ------------------------------------------------------
 
 from gen_testkit.suite.speculative import SpeculativeProperties  # noqa: E402
@@ -324,6 +404,13 @@ from gen_testkit.suite.speculative import SpeculativeProperties  # noqa: E402
 
 class TestVllmSpeculativeConformance(SpeculativeProperties):
     """``tiny-llama`` drafted by its own first layer, against the target alone."""
+
+    claims_drafter_refit = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def drafter_weights(cls, drafter):
+        return _checkpoint(drafter, "drafter.")
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -218,12 +218,25 @@ def _check_speculation(out: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
             "sampler has no min_p (it refuses such requests), so rows cannot be sampled as "
             "asked; set min_p to 0 or leave speculative out"
         )
+    if method == "draft_model" and out.get("lora"):
+        raise GenerationConfigError(
+            "speculative.method 'draft_model' with `lora`: the drafter's weights and the "
+            "adapter would each be a refit group of their own, which this backend does not "
+            "offer together; leave one of them out"
+        )
+    if method == "draft_model" and cfg["weight_deltas"]:
+        raise GenerationConfigError(
+            "speculative.method 'draft_model' with `vllm_cfg.weight_deltas`: the copy of the "
+            "committed weights holds the target's only, so the drafter's weights (a refit group "
+            "of their own) could not be staged in it; turn weight_deltas off"
+        )
     if method == "draft_model" and cfg["load_format"] == "dummy":
         raise GenerationConfigError(
             "speculative.method 'draft_model' with vllm_cfg.load_format 'dummy' (a config made "
             "with is_eval=False): vLLM builds the drafter with the target's load format, so the "
-            "drafter would keep random weights (weight updates reach the target only) and "
-            "propose nothing worth verifying; set vllm_cfg.load_format to 'auto'"
+            "drafter would keep random weights until an update carries the drafter's (its "
+            "'drafter.' group) and propose nothing worth verifying; set vllm_cfg.load_format "
+            "to 'auto'"
         )
 
 

@@ -22,6 +22,7 @@ from gen_backend_kit.lora import adapter_specs
 from gen_interface.weights import WeightBase, combine_checksums, weights_checksum
 
 from gen_vllm.checkpoint import checkpoint_specs
+from gen_vllm.drafter import DRAFTER_PREFIX, draft_model_config, load_drafter_weights
 from gen_vllm.messages import UpdateReport
 from gen_vllm.staging import committed_weights_for
 
@@ -57,6 +58,38 @@ class UpdatableVllmInternalWorker:
             specs, optional = checkpoint_specs(self.model_config.model, self.model_config.dtype)
             cached = self._gen_checkpoint_specs = (specs, sorted(optional))
         return cached
+
+    def drafter_specs(self) -> tuple[dict[str, tuple[list[int], str]], list[str]]:
+        """What an update may carry for the drafter model (``speculative.method``
+        ``"draft_model"``): its checkpoint's names prefixed ``"drafter."``, shapes, and the
+        engine's dtype; ``({}, [])`` without a drafter model. Cached."""
+        cached = getattr(self, "_gen_drafter_specs", None)
+        if cached is None:
+            config = draft_model_config(getattr(self, "vllm_config", None))
+            specs: dict[str, tuple[list[int], str]] = {}
+            optional: set[str] = set()
+            if config is not None:
+                specs, optional = checkpoint_specs(config.model, config.dtype)
+            cached = self._gen_drafter_specs = (
+                {DRAFTER_PREFIX + name: spec for name, spec in specs.items()},
+                sorted(DRAFTER_PREFIX + name for name in optional),
+            )
+        return cached
+
+    def load_drafter_update(self) -> bool:
+        """At the commit of an update that carried drafter tensors (kept aside by the transfer
+        engine, each verified on arrival): load them into the drafter model, with the same
+        layerwise reload as the target's. Returns whether the update carried any."""
+        engine = self.weight_transfer_engine
+        tensors = getattr(engine, "drafter", None)
+        if not tensors:
+            return False
+        engine.drafter = {}
+        config = draft_model_config(getattr(self, "vllm_config", None))
+        if config is None:
+            raise RuntimeError("drafter tensors arrived but this engine runs no drafter model")
+        load_drafter_weights(self.model_runner.drafter.model, config, tensors)
+        return True
 
     # ---- the readable copy of the committed weights (staging.py) ---------------------------
 

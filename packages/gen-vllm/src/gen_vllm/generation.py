@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -37,7 +37,7 @@ from gen_interface import (
 )
 from gen_interface.schema import ForeignKeys
 from gen_interface.weights.collective import BroadcastBucket, CollectiveEndpoint
-from gen_interface.weights.handles import WeightBase, WeightHandles
+from gen_interface.weights.handles import WeightBase, WeightHandles, describe_weight_handles
 
 from gen_vllm.background_loop import BackgroundLoop
 from gen_vllm.cluster import RayVirtualCluster
@@ -48,6 +48,7 @@ from gen_vllm.config import (
     complete_vllm_config,
 )
 from gen_vllm.delivery import DeliveryTimes
+from gen_vllm.drafter import is_drafter_weight
 from gen_vllm.engine import EngineFactory
 from gen_vllm.engine_args import engine_args_for, engine_env, routing_mode
 from gen_vllm.fleet import Fleet
@@ -142,12 +143,25 @@ class VllmGeneration(GenerationBackend):
             for name, (shape, dtype) in first["checkpoint_specs"].items()
         }
         adapter = self._serve_adapter(config, checkpoint) if config.get("lora") else {}
+        # the drafter model's tensors ("drafter." names): a refit group of their own, staged
+        # until the commit (config refuses them with lora or weight_deltas)
+        drafter = {
+            name: (torch.Size(shape), getattr(torch, dtype))
+            for name, (shape, dtype) in first["drafter_specs"].items()
+        }
+        optional = [*first["optional_weights"], *first["drafter_optional"]]
+        #: The version of the last committed update that carried the drafter's weights.
+        self.drafter_version = 0
+        self._has_drafter = bool(drafter)
+        self._update_carries_drafter = False
         #: Bytes of each rank's copy of the committed weights (``weight_deltas``; 0: none).
         self.committed_copy_bytes = (
             self.replicas.keep_committed_weights() if cfg["weight_deltas"] else 0
         )
         # with the copy, every update is staged in it until the commit (staging.py)
         staged = checkpoint if cfg["weight_deltas"] else adapter
+        if drafter:
+            staged = {n: s for n, s in drafter.items() if n not in first["drafter_optional"]}
         self._loop = BackgroundLoop()
         #: The healing fleet (``vllm_cfg.healing``); None when fail-stop.
         self.fleet: Fleet | None = None
@@ -180,8 +194,8 @@ class VllmGeneration(GenerationBackend):
             vocab_size=first["vocab_size"],
             context_limit=first["max_model_len"],
             has_tokenizer=not engine_args["skip_tokenizer_init"],
-            model_specs={**checkpoint, **adapter},
-            optional_weights=first["optional_weights"],
+            model_specs={**checkpoint, **adapter, **drafter},
+            optional_weights=optional,
             weights_absent=DUMMY_WEIGHTS if cfg["load_format"] == "dummy" else None,
             max_top_logprobs=cfg["max_logprobs"],
             routed_experts=None if self._routing is None else self._routing[:2],
@@ -475,6 +489,11 @@ class VllmGeneration(GenerationBackend):
             "prefix_cache_queries_total": router.prompt_tokens,
             "prefix_cache_hits_total": router.cached_tokens,
             **router.speculation.metrics(),
+            **(
+                {"speculative_drafter_weight_version": self.drafter_version}
+                if self._has_drafter
+                else {}
+            ),
             **router.arrivals.snapshot(),
             **self._delivery.snapshot(),
             **(self.fleet.metrics() if self.fleet is not None else {}),
@@ -525,17 +544,27 @@ class VllmGeneration(GenerationBackend):
     # ---- weights: the workers' side is in update_steps.py -----------------------------------
 
     def _begin_update(self, version: int, in_flight: InFlight) -> None:
+        self._update_carries_drafter = False
         self._updates.begin(version, in_flight)
 
     def _load_handles(self, handles: Mapping[str, Any]) -> LoadWait:
+        self._note_drafter(describe_weight_handles(handles))
         return self._updates.load(LoadInfo(handles=cast(WeightHandles, handles)))
 
     def _load_broadcast(self, bucket: Mapping[str, Any]) -> None:
+        self._note_drafter(slot["name"] for slot in bucket["tensors"])
         # the trainer sends while the workers receive: this load ends when the broadcast does
         self._updates.load(LoadInfo(broadcast=cast(BroadcastBucket, bucket)))()
 
+    def _note_drafter(self, names: Iterable[str]) -> None:
+        """The open update carries drafter tensors if any of ``names`` is one."""
+        if not self._update_carries_drafter:
+            self._update_carries_drafter = any(map(is_drafter_weight, names))
+
     def _commit_update(self, version: int) -> None:
         self._updates.commit(version)
+        if self._update_carries_drafter:
+            self.drafter_version = version
 
     def _abort_update(self, written: bool) -> None:
         self._updates.abort(written)

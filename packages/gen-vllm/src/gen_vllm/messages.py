@@ -195,6 +195,9 @@ class WorkerInfo(TypedDict):
     startup_seconds: float
     checkpoint_specs: dict[str, tuple[list[int], str]]
     optional_weights: list[str]
+    # the drafter model's tensors (speculative method "draft_model"), "drafter." names; else {}
+    drafter_specs: dict[str, tuple[list[int], str]]
+    drafter_optional: list[str]  # of those, the ones an update may omit (a tied lm_head)
 
 
 class UpdateReport(TypedDict):

@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransfe
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from gen_vllm.cpu_kernels import fix_speculative_sampling
+from gen_vllm.drafter import is_drafter_weight
 from gen_vllm.extension import UpdatableVllmInternalWorker
 from gen_vllm.receive import receive_load, whole_tensors
 from gen_vllm.staging import EngineLoads
@@ -58,8 +59,10 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
 
     ``received`` holds the checksum of every bucket of the current transaction, in order;
     ``adapter`` the LoRA adapter tensors it carried (copies, kept for the worker to serve at the
-    commit: vLLM's model takes none of them). vLLM's layerwise reload starts with the first
-    bucket that carries base weights, so an adapter-only update leaves the model untouched.
+    commit: vLLM's model takes none of them); ``drafter`` the drafter model's tensors it carried
+    (``"drafter."`` names, copies, loaded into the drafter at the commit: ``drafter.py``). vLLM's
+    layerwise reload starts with the first bucket that carries base weights, so an update of
+    the adapter or the drafter alone leaves the model untouched.
 
     ``committed``: with ``vllm_cfg.weight_deltas``, the readable copy of the last committed
     weights (``staging.py``); every update is then staged there, and ``loads`` says when its
@@ -77,6 +80,7 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         fix_speculative_sampling()
         self.received: list[int] = []
         self.adapter: dict[str, torch.Tensor] = {}
+        self.drafter: dict[str, torch.Tensor] = {}
         self.group: WeightGroup | None = None
         self.committed: CommittedWeights | None = None
         self.staged = False  # this update wrote into ``committed``
@@ -89,7 +93,7 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         self.group = join_weight_group(endpoint, rank, torch.device(self.device))
 
     def start_weight_update(self) -> None:
-        self.received, self.adapter, self._reloading = [], {}, False
+        self.received, self.adapter, self.drafter, self._reloading = [], {}, {}, False
         self.staged = False
         self.loads.begin()
         if self.committed is not None:
@@ -106,22 +110,25 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
                     self._load(now)
                 self.received.append(bucket.checksum)
                 continue
-            base = self._keep_adapter(whole_tensors(bucket.entries))
-            if self._reloading or not all(map(is_adapter_weight, bucket.names)):
+            base = self._keep_aside(whole_tensors(bucket.entries))
+            if self._reloading or not all(map(_kept_aside, bucket.names)):
                 self._load(base)
-            else:  # an adapter-only bucket: read (and verify) every tensor
+            else:  # an adapter or drafter bucket: read (and verify) every tensor
                 collections.deque(base, maxlen=0)
             if bucket.shared is not None:
                 _own_pending_tensors(self.model, bucket.shared)
             self.received.append(bucket.checksum)
 
-    def _keep_adapter(
+    def _keep_aside(
         self, tensors: Iterator[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The base weights of ``tensors``; adapter tensors are copied into ``adapter``."""
+        """The base weights of ``tensors``; adapter tensors are copied into ``adapter``, the
+        drafter's into ``drafter`` (on the model's device: the bucket is reused)."""
         for name, tensor in tensors:
             if is_adapter_weight(name):
                 self.adapter[name] = tensor.to("cpu", copy=True)
+            elif is_drafter_weight(name):
+                self.drafter[name] = tensor.to(self.device, copy=True)
             else:
                 yield name, tensor
 
@@ -187,6 +194,11 @@ def register() -> None:
     """Make ``weight_transfer_config={"backend": "gen"}`` available in this process."""
     with contextlib.suppress(ValueError):  # already registered
         WeightTransferEngineFactory.register_engine(ENGINE_NAME, GenWeightTransferEngine)
+
+
+def _kept_aside(name: str) -> bool:
+    """Tensors the target model never takes: a LoRA adapter's and the drafter model's."""
+    return is_adapter_weight(name) or is_drafter_weight(name)
 
 
 def _device_uuid(device: torch.device | str) -> str | None:

@@ -110,6 +110,9 @@ class VllmGenerationWorker:
         )
         engine: EngineProtocol = self._loop.engine
         specs, optional = self._loop.run(lambda: engine.collective_rpc("checkpoint_specs")[0])
+        drafter, drafter_optional = self._loop.run(
+            lambda: engine.collective_rpc("drafter_specs")[0]
+        )
         self._info = WorkerInfo(
             pid=os.getpid(),
             host=socket.gethostname(),
@@ -120,6 +123,8 @@ class VllmGenerationWorker:
             startup_seconds=time.perf_counter() - start,
             checkpoint_specs=specs,
             optional_weights=list(optional),
+            drafter_specs=drafter,
+            drafter_optional=list(drafter_optional),
         )
 
     async def info(self) -> WorkerInfo:
@@ -272,7 +277,8 @@ class VllmGenerationWorker:
         the rows the update paused, with their tokens so far (it wrote weights that are now
         part old, part new). vLLM's transaction is closed first if it is still open; an update
         staged in the copy of the committed weights (``weight_deltas``) is undone there first
-        (the engine never saw it)."""
+        (the engine never saw it). At a commit the drafter model takes the drafter tensors the
+        update carried (kept aside until now, so a dropped update never reaches it)."""
 
         def end() -> None:
             engine = self._loop.engine
@@ -285,6 +291,7 @@ class VllmGenerationWorker:
                 if version is not None:
                     if self._keeps_copy:
                         engine.collective_rpc("commit_staged_weights", (version,))
+                    engine.collective_rpc("load_drafter_update")
                     self._loop.set_version(version)
                     self._serve_new_adapter(version)
                 if version is not None or cut:
