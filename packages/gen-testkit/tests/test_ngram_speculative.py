@@ -84,3 +84,25 @@ class TestNgramSpeculativeConformance(GenerationConformanceSuite):
 def test_an_unoffered_method_is_refused_by_name():
     with pytest.raises(GenerationConfigError, match=r"speculative\.method 'ngram'"):
         NgramGeneration(_config(speculative={"method": "ngram", "num_speculative_tokens": 2}))
+
+
+def test_a_drafter_below_the_acceptance_floor_is_warned_about_once(caplog):
+    """The n-gram drafter accepts about a fifth of its greedy proposals: under a floor of 0.9 the
+    backend warns once (naming itself), keeps speculating, and says so in its metrics."""
+    import logging
+
+    from gen_testkit.strategies import pad_prompts
+
+    backend = NgramGeneration(_config(speculative={**SPECULATIVE, "min_acceptance_rate": 0.9}))
+    batch = pad_prompts([[5, 17, 42, 8], [99, 3], [7, 7, 7]] * 8, "left")
+    long = backend.with_sampling(max_new_tokens=64, stop_token_ids=[])
+    with caplog.at_level(logging.WARNING, logger="gen_backend_kit.speculation"):
+        for _ in range(3):
+            out = long.generate(batch, greedy=True)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "NgramGeneration" in warned[0], warned
+    metrics = backend.get_logger_metrics()
+    assert metrics["speculative_below_break_even"] == 1
+    assert metrics["speculative_recent_acceptance_rate"] < 0.9
+    assert int(out["generation_lengths"].sum()) == 64 * batch.size  # it goes on speculating
+    backend.shutdown()

@@ -432,3 +432,19 @@ class TestVllmSpeculativeConformance(SpeculativeProperties):
         from gen_testkit.parity.oracle import HfLogitsOracle
 
         return HfLogitsOracle(str(tiny_llama.path))
+
+
+def test_the_acceptance_floor_is_this_project_s_and_never_reaches_vllm(tiny_llama, drafter):
+    from gen_vllm import VllmGeneration
+    from gen_vllm.engine_args import engine_args_for
+
+    draft = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
+    config = VllmGeneration.complete_config(
+        _config(tiny_llama, speculative={**draft, "min_acceptance_rate": 0.4})
+    )
+    assert config["speculative"]["min_acceptance_rate"] == 0.4
+    assert engine_args_for(config, use_gpus=False)["speculative_config"] == draft
+    with pytest.raises(GenerationConfigError, match="min_acceptance_rate must be a number in"):
+        VllmGeneration.complete_config(
+            _config(tiny_llama, speculative={**draft, "min_acceptance_rate": 1.5})
+        )

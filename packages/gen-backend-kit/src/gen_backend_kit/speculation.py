@@ -14,21 +14,53 @@ name                                    meaning
 ``speculative_acceptance_rate``         accepted / proposed (0.0 before any)
 ``speculative_mean_accepted_length``    tokens a verifying step emits: 1 + accepted / drafts
                                         (vLLM's "mean acceptance length"; 0.0 before any)
+``speculative_recent_acceptance_rate``  accepted / proposed over the last window of
+                                        ``WINDOW_PROPOSED`` proposed tokens (not cleared)
+``speculative_below_break_even``        1 while that rate is below the floor, else 0
 ======================================  ===================================================
+
+**When speculation stops paying.** A verifying step costs about ``c`` plain decode steps (the
+drafter's forwards, the target's pass over K + 1 positions; ``tools/bench/speculative.py``
+measures ``c`` per batch size) and emits ``1 + K a`` tokens, ``a`` being the acceptance rate:
+below ``a* = (c - 1) / K`` speculation is slower than plain decoding. ``watch_acceptance(floor)``
+compares every window of ``WINDOW_PROPOSED`` proposed tokens with ``floor`` (the config's
+``speculative.min_acceptance_rate``) and, the first time one falls below it, logs one warning
+with the figures and what to do; it warns again only after a window at or above the floor.
+The backend keeps speculating: turning it off means restarting the engines (seconds here,
+minutes on GPUs) and the next drafter refit usually brings acceptance back, so the choice is
+the trainer's (refit the drafter, lower ``num_speculative_tokens``, or build the backend
+without ``speculative``); ``speculative_below_break_even`` says so on every metrics read.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from gen_interface.errors import GenerationConfigError
 
-__all__ = ["SPECULATION_METRICS", "SpeculationCounts", "refuse_unoffered_speculation"]
+__all__ = [
+    "DEFAULT_MIN_ACCEPTANCE_RATE",
+    "SPECULATION_METRICS",
+    "WINDOW_PROPOSED",
+    "SpeculationCounts",
+    "refuse_unoffered_speculation",
+]
 
-#: The metric names ``SpeculationCounts.metrics`` gives, in order.
+logger = logging.getLogger(__name__)
+
+#: Proposed tokens per acceptance window of ``watch_acceptance``.
+WINDOW_PROPOSED = 512
+#: ``speculative.min_acceptance_rate`` when the config leaves it out: the break-even acceptance
+#: ``tools/bench/speculative.py`` measured (see the README); 0 turns the warning off.
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.3
+
+#: The metric names ``SpeculationCounts.metrics`` gives.
 SPECULATION_METRICS = (
+    "speculative_recent_acceptance_rate",
+    "speculative_below_break_even",
     "speculative_drafts_total",
     "speculative_proposed_tokens_total",
     "speculative_accepted_tokens_total",
@@ -63,7 +95,18 @@ class SpeculationCounts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._floor = 0.0
+        self._what = ""
+        self._window = [0, 0]  # proposed, accepted in the window being filled
+        self._recent: float | None = None  # the last full window's acceptance rate
+        self._warned = False
         self.clear()
+
+    def watch_acceptance(self, floor: float, what: str) -> None:
+        """Warn once when a window's acceptance falls below ``floor`` (see the module); ``what``
+        names the backend and its drafter in the warning. ``floor`` 0: never."""
+        with self._lock:
+            self._floor, self._what = floor, what
 
     def clear(self) -> None:
         with self._lock:
@@ -85,12 +128,35 @@ class SpeculationCounts:
             self._drafts += drafts
             self._proposed += proposed
             self._accepted += accepted
+            self._window[0] += proposed
+            self._window[1] += accepted
+            if self._window[0] < WINDOW_PROPOSED:
+                return
+            rate = self._recent = self._window[1] / self._window[0]
+            self._window = [0, 0]
+            below = rate < self._floor
+            warn = below and not self._warned
+            self._warned = below
+        if warn:
+            logger.warning(
+                "%s: speculative decoding accepted %.0f%% of the last %d proposed tokens, below "
+                "speculative.min_acceptance_rate %.0f%%, where it costs more than it saves; "
+                "refit the drafter, lower num_speculative_tokens, or build the backend without "
+                "speculative (this warning comes again only after acceptance recovers)",
+                self._what,
+                100 * rate,
+                WINDOW_PROPOSED,
+                100 * self._floor,
+            )
 
     def metrics(self) -> dict[str, int | float]:
         """The ``SPECULATION_METRICS``, by name."""
         with self._lock:
             drafts, proposed, accepted = self._drafts, self._proposed, self._accepted
+            recent, below = self._recent, self._warned
         return {
+            "speculative_recent_acceptance_rate": 0.0 if recent is None else recent,
+            "speculative_below_break_even": int(below),
             "speculative_drafts_total": drafts,
             "speculative_proposed_tokens_total": proposed,
             "speculative_accepted_tokens_total": accepted,

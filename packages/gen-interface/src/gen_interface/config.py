@@ -251,6 +251,12 @@ def _check_speculative(section: Any) -> None:
             f"speculative.num_speculative_tokens must be an integer >= 1 (tokens proposed per "
             f"step), got {tokens!r}"
         )
+    floor = section.get("min_acceptance_rate", 0.0)
+    if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 <= floor <= 1:
+        raise GenerationConfigError(
+            f"speculative.min_acceptance_rate must be a number in [0, 1] (0: never warn), "
+            f"got {floor!r}"
+        )
     model = section.get("model")
     if method == "draft_model" and not (isinstance(model, str) and model):
         raise GenerationConfigError(

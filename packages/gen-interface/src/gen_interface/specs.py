@@ -74,6 +74,10 @@ class SpeculativeConfig(TypedDict, total=False):
     num_speculative_tokens: int  # >= 1: tokens proposed per verifying step
     prompt_lookup_min: int  # ngram: shortest suffix matched (>= 1)
     prompt_lookup_max: int  # ngram: longest suffix matched (>= prompt_lookup_min)
+    # this project's, not vLLM's: below this acceptance rate (accepted / proposed, over a window
+    # of proposed tokens) speculation costs more than it saves, and the backend warns once
+    # (gen_backend_kit.speculation); 0 never warns; default: the measured break-even (0.3)
+    min_acceptance_rate: float
 
 
 class GenerationConfig(TypedDict, total=False):

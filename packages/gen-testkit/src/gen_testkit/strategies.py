@@ -193,6 +193,7 @@ _INVALID_VALUES: dict[str, list[Any]] = {
         {"method": "medusa", "num_speculative_tokens": 3},
         {"method": "ngram", "num_speculative_tokens": 0},
         {"method": "draft_model", "num_speculative_tokens": 3},
+        {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 1.5},
         {
             "method": "ngram",
             "num_speculative_tokens": 3,

@@ -151,6 +151,10 @@ def engine_args_for(config: VllmConfig, *, use_gpus: bool) -> dict[str, Any]:
     return args
 
 
+#: ``SpeculativeConfig`` keys of this project's own, not passed to vLLM.
+PROJECT_KEYS = frozenset({"min_acceptance_rate"})
+
+
 def speculative_engine_args(config: VllmConfig) -> dict[str, Any]:
     """The engine arguments of ``config["speculative"]`` (none when it is off): vLLM's
     ``speculative_config`` (the same keys, unset ones left out) and its per-request acceptance
@@ -160,7 +164,9 @@ def speculative_engine_args(config: VllmConfig) -> dict[str, Any]:
     if not section:
         return {}
     return {
-        "speculative_config": {k: v for k, v in section.items() if v is not None},
+        "speculative_config": {
+            k: v for k, v in section.items() if v is not None and k not in PROJECT_KEYS
+        },
         "per_request_spec_decode_metrics": "summary",
     }
 

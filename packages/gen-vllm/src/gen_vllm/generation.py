@@ -19,6 +19,7 @@ from gen_backend_kit.fleet_health import FleetHealth
 from gen_backend_kit.lifecycle import DUMMY_WEIGHTS, Resource, close_all
 from gen_backend_kit.lora import adapter_specs, lora_settings
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow
+from gen_backend_kit.speculation import DEFAULT_MIN_ACCEPTANCE_RATE
 from gen_backend_kit.stepping import RowControl
 from gen_backend_kit.text import HfTokenizerCodec, TextCodec
 from gen_backend_kit.weights.consumer import TensorSpecs
@@ -181,6 +182,12 @@ class VllmGeneration(GenerationBackend):
             on_lost=None if self.fleet is None else self.fleet.lost,
             wedge_timeout_s=cfg["wedge_timeout_s"],
         )
+        speculative = config.get("speculative")
+        if speculative:
+            self._router.speculation.watch_acceptance(
+                speculative.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE),
+                f"VllmGeneration ({speculative['method']}, {config['model_name']})",
+            )
         if self.fleet is not None:
             self.fleet.router = self._router
             self._loop.loop.call_soon_threadsafe(self._router.watch)

@@ -26,7 +26,7 @@ from gen_backend_kit.decoding import StopRules
 from gen_backend_kit.in_process import InProcessBackend
 from gen_backend_kit.sampling import TokenChoice, row_generators, select_next_tokens
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow, scored_row
-from gen_backend_kit.speculation import SpeculationCounts
+from gen_backend_kit.speculation import DEFAULT_MIN_ACCEPTANCE_RATE, SpeculationCounts
 from gen_backend_kit.stepping import GeneratedRows, RowControl
 from gen_interface import BackendCapabilities, GenerationConfig, GenerationConfigError
 
@@ -99,6 +99,10 @@ class NgramGeneration(InProcessBackend):
                 self.model, drafter, speculative["num_speculative_tokens"]
             )
             self._staged = {DRAFTER + n: w.clone() for n, w in drafter.weights.items()}
+            self._counts.watch_acceptance(
+                speculative.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE),
+                "NgramGeneration (draft_model)",
+            )
             specs.update({n: (w.shape, w.dtype) for n, w in self._staged.items()})
         super().__init__(
             config,

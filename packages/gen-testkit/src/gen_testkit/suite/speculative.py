@@ -129,9 +129,7 @@ class SpeculativeProperties(SuiteBase):
         processed = config.get("logprobs_mode") == "processed"
         tolerance = tolerance_for(config.get("dtype", "float32"), across_backends=True)
         atol = tolerance.processed_logprob_atol if processed else tolerance.logprob_atol
-        for i, (prompt, (tokens, logprobs)) in enumerate(
-            zip(drawn.prompts, generated_rows(out))
-        ):
+        for i, (prompt, (tokens, logprobs)) in enumerate(zip(drawn.prompts, generated_rows(out))):
             if not tokens:
                 continue
             expected = self._target_log_probs(logits_oracle, prompt, tokens, config, processed)
