@@ -106,3 +106,17 @@ def test_a_drafter_below_the_acceptance_floor_is_warned_about_once(caplog):
     assert metrics["speculative_recent_acceptance_rate"] < 0.9
     assert int(out["generation_lengths"].sum()) == 64 * batch.size  # it goes on speculating
     backend.shutdown()
+
+
+class TestNgramSpeculativeGreedyDrafts(TestNgramSpeculative):
+    """Drafts the drafter's argmax (vLLM's default ``draft_sample_method``): still lossless."""
+
+    claims_drafter_refit = False
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls) -> Iterator[ConformanceSubject]:
+        greedy = {**SPECULATIVE, "draft_sample_method": "greedy"}
+        backend = NgramGeneration(_config(speculative=greedy))
+        yield _subject(backend)
+        backend.shutdown()

@@ -50,6 +50,7 @@ from gen_interface.registry import (
 )
 from gen_interface.specs import (
     ColocatedConfig,
+    DraftSampleMethod,
     DType,
     GenerationConfig,
     GenerationDatumSpec,
@@ -76,6 +77,7 @@ __all__ = [
     "BatchedDataDict",
     "ColocatedConfig",
     "DType",
+    "DraftSampleMethod",
     "GenerationConfig",
     "GenerationConfigError",
     "GenerationDatumSpec",

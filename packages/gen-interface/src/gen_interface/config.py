@@ -12,7 +12,12 @@ from gen_interface.errors import BackendUnavailableError, GenerationConfigError
 from gen_interface.nemo_rl_keys import with_nemo_rl_keys
 from gen_interface.schema import ForeignKeys, check_config
 from gen_interface.seeds import MAX_SEED
-from gen_interface.specs import GenerationConfig, SpeculativeConfig, SpeculativeMethod
+from gen_interface.specs import (
+    DraftSampleMethod,
+    GenerationConfig,
+    SpeculativeConfig,
+    SpeculativeMethod,
+)
 
 if TYPE_CHECKING:
     from gen_interface.interface import GenerationInterface
@@ -250,6 +255,12 @@ def _check_speculative(section: Any) -> None:
         raise GenerationConfigError(
             f"speculative.num_speculative_tokens must be an integer >= 1 (tokens proposed per "
             f"step), got {tokens!r}"
+        )
+    drafting = section.get("draft_sample_method", "greedy")
+    if drafting not in get_args(DraftSampleMethod):
+        raise GenerationConfigError(
+            f"speculative.draft_sample_method must be one of {list(get_args(DraftSampleMethod))}"
+            f", got {drafting!r}"
         )
     floor = section.get("min_acceptance_rate", 0.0)
     if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 <= floor <= 1:

@@ -66,9 +66,9 @@ class BackendCapabilities:
             whatever the batch. False: the setting is refused (see ``notes`` for why).
         routed_experts: ``return_routed_experts: true`` is honoured for MoE models: outputs carry
             the experts every MoE layer routed each position to. False: the setting is refused.
+        notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
         speculative: the ``speculative.method`` values honoured here (``SpeculativeConfig``);
             any other is refused by name. Empty: speculation is not offered.
-        notes: one line per limitation worth telling a user, e.g. why ``sleep`` is False.
     """
 
     sleep: bool = False
@@ -84,8 +84,8 @@ class BackendCapabilities:
     refit_buffers: int = 2
     batch_invariant: bool = False
     routed_experts: bool = False
-    speculative: frozenset[str] = frozenset()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    speculative: frozenset[str] = frozenset()
 
 
 class GenerationInterface(ABC):

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ColocatedConfig",
     "DType",
+    "DraftSampleMethod",
     "GenerationConfig",
     "GenerationDatumSpec",
     "GenerationOutputSpec",
@@ -54,6 +55,7 @@ class LoraConfig(TypedDict, total=False):
 
 
 SpeculativeMethod = Literal["draft_model", "ngram", "mtp", "eagle", "eagle3"]
+DraftSampleMethod = Literal["greedy", "probabilistic"]
 
 
 class SpeculativeConfig(TypedDict, total=False):
@@ -74,6 +76,12 @@ class SpeculativeConfig(TypedDict, total=False):
     num_speculative_tokens: int  # >= 1: tokens proposed per verifying step
     prompt_lookup_min: int  # ngram: shortest suffix matched (>= 1)
     prompt_lookup_max: int  # ngram: longest suffix matched (>= prompt_lookup_min)
+    # how a drafter model proposes for sampled rows: "greedy" (vLLM's default) its argmax,
+    # verified as certain (accepted with the target's probability of it: seldom at temperature
+    # 1); "probabilistic" draws from its distribution and verifies with the ratio test (accepted
+    # as often as drafter and target agree). Both are lossless; see the backend's README for
+    # what a seed means with each
+    draft_sample_method: DraftSampleMethod
     # this project's, not vLLM's: below this acceptance rate (accepted / proposed, over a window
     # of proposed tokens) speculation costs more than it saves, and the backend warns once
     # (gen_backend_kit.speculation); 0 never warns; default: the measured break-even (0.3)

@@ -96,7 +96,11 @@ class NgramGeneration(InProcessBackend):
                 settings["vocab_size"], settings["draft_order"], settings["init_seed"]
             )
             self.speculation = self._decoder(
-                self.model, drafter, speculative["num_speculative_tokens"]
+                self.model,
+                drafter,
+                speculative["num_speculative_tokens"],
+                draw_drafts=speculative.get("draft_sample_method", "probabilistic")
+                == "probabilistic",
             )
             self._staged = {DRAFTER + n: w.clone() for n, w in drafter.weights.items()}
             self._counts.watch_acceptance(

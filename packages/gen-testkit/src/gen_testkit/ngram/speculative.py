@@ -4,7 +4,8 @@ Standard speculative sampling (Leviathan et al., 2023; Chen et al., 2023), per r
 
 1. the drafter proposes ``k`` tokens one after another: greedy rows take its argmax, sampled
    rows draw ``d_j ~ q_j``, ``q_j`` being the drafter's distribution processed with the row's
-   own temperature, top-k, top-p and min-p;
+   own temperature, top-k, top-p and min-p (``draft_sample_method`` "greedy": its argmax, with
+   ``q_j`` one-hot on it, as vLLM's default does);
 2. one target pass scores the ``k + 1`` positions: ``p_j`` (processed the same way);
 3. draft ``j`` is accepted when the target agrees: greedy, ``d_j == argmax p_j``; sampled,
    ``u < p_j(d_j) / q_j(d_j)`` with ``u ~ U(0, 1)``. At the first rejection the row takes the
@@ -52,13 +53,18 @@ class SpeculativeStep:
 class SpeculativeDecoder:
     """Draft ``k`` tokens with ``drafter`` and verify them with ``target``; see the module."""
 
-    def __init__(self, target: NgramModel, drafter: NgramModel, k: int):
+    def __init__(
+        self, target: NgramModel, drafter: NgramModel, k: int, *, draw_drafts: bool = True
+    ):
         if target.vocab_size != drafter.vocab_size:
             raise ValueError(
                 f"the drafter's vocabulary ({drafter.vocab_size}) must be the target's "
                 f"({target.vocab_size})"
             )
         self.target, self.drafter, self.k = target, drafter, k
+        #: Sampled rows draw drafts from the drafter (``draft_sample_method`` "probabilistic");
+        #: False: they take its argmax, verified as certain (``q`` one-hot: "greedy").
+        self.draw_drafts = draw_drafts
 
     def step(
         self,
@@ -83,6 +89,8 @@ class SpeculativeDecoder:
                     drafts[i].append(int(logits[i].argmax()))
                     continue
                 q = self._probs(logits[i], row)
+                if not self.draw_drafts:  # the argmax, as if the drafter were certain of it
+                    q = torch.nn.functional.one_hot(q.argmax(), q.shape[0]).to(q.dtype)
                 draft_probs[i].append(q)
                 drafts[i].append(int(torch.multinomial(q, 1, generator=generators[i])))
         # one target pass over the k + 1 positions of every row: [A, k + 1, V]
