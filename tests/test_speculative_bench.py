@@ -127,3 +127,14 @@ def test_online_distillation_brings_the_drafter_towards_the_target():
         kl.backward()
         optimizer.step()
     assert bench.top_k_kl(drafter, ids, mask, teacher).item() < before
+
+
+def test_the_models_acceptance_is_one_for_the_target_itself_and_less_for_another_drafter():
+    from gen_testkit.models import build_tiny_model
+    from speculative_models import load_model
+
+    target = load_model(build_tiny_model("tiny-llama").path)
+    drafter = load_model(build_tiny_model("tiny-qwen2").path)
+    ids, mask = bench.generated(_rollouts())
+    assert bench.expected_acceptance(target, target, ids, mask, 3) == pytest.approx(1.0)
+    assert 0.0 < bench.expected_acceptance(target, drafter, ids, mask, 3) < 0.99

@@ -1,7 +1,8 @@
 """Speculative decoding on gen-vllm: speed-up and acceptance, before and during RL.
 
     uv run python tools/bench/speculative.py [--k 3] [--batches 1,16,64] [--pairs 5] [--new 48]
-        [--rl-steps 20] [--rl-batch 16] [--greedy] [--quick] [--json FILE]
+        [--rl-steps 20] [--rl-batch 16] [--greedy] [--drafter-by-restart] [--quick]
+        [--json FILE]
 
 ``--quick``: 2 pairs, batch sizes 1 and 16, 3 RL steps. ``--greedy``: every timed run (both
 sides) is greedy; the RL rollouts the target learns from stay sampled at temperature 1. vLLM's
@@ -44,7 +45,10 @@ steps of top-k forward KL (``examples/distillation.py``'s loss) towards the new 
 step's rollouts, and refit in the same refit as the target. Each step reports, per engine, the
 acceptance on the same ``--rl-batch`` prompts, the speed-up over ``plain`` at that batch and at
 batch 1, and each drafter's top-k KL to the current target. Where the backend does not take
-drafter refits the bench says so and runs ``frozen`` alone.
+drafter refits the bench says so and runs ``frozen`` alone, or, with ``--drafter-by-restart``,
+builds the ``refit`` engine anew on the distilled drafter's directory each step (then refits the
+target into it; the restart is not timed), which shows the refit drafter's acceptance before
+gen-vllm takes drafter refits.
 
 Targets: at least 1.3x tokens/s at batch 1 with the refit drafter; never below 0.95x at any
 batch size; the frozen drafter's acceptance falling over the RL steps and the refit one's
@@ -58,8 +62,11 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
@@ -72,7 +79,7 @@ from gen_interface import (
     create_generation_backend,
 )
 from gen_interface.weights import Refitter
-from speculative_models import Prepared, load_model, prepare
+from speculative_models import Prepared, load_model, prepare, save_model
 from workloads import left_padded, sampled_config
 
 PROMPT_TOKENS = 16
@@ -89,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=48, help="tokens per row")
     parser.add_argument("--rl-steps", type=int, default=20)
     parser.add_argument("--rl-batch", type=int, default=16, help="rows per RL step")
-    parser.add_argument("--rl-lr", type=float, default=3e-3, help="the target's REINFORCE lr")
+    parser.add_argument("--rl-lr", type=float, default=3e-4, help="the target's REINFORCE lr")
     parser.add_argument("--distill-steps", type=int, default=4, help="drafter steps per RL step")
     parser.add_argument("--distill-lr", type=float, default=3e-3)
     parser.add_argument("--top-k", type=int, default=16, help="top-k of the online distillation")
@@ -98,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="time greedy rows (both sides); the RL rollouts stay sampled. For vLLM's CPU "
         "build, where gen-vllm refuses sampled rows under speculation",
+    )
+    parser.add_argument(
+        "--drafter-by-restart",
+        action="store_true",
+        help="where the backend takes no drafter refits, restart the refit drafter's engine on "
+        "the drafter's new weights each step instead of leaving that mode out",
     )
     parser.add_argument("--quick", action="store_true", help="2 pairs, batches 1,16, 3 RL steps")
     parser.add_argument("--json", help="write every figure here")
@@ -233,6 +246,7 @@ class RlStep:
     speed_up: dict[str, float] = field(default_factory=dict)
     speed_up_batch1: dict[str, float] = field(default_factory=dict)
     drafter_kl: dict[str, float] = field(default_factory=dict)
+    expected_acceptance: dict[str, float] = field(default_factory=dict)
 
 
 # ---- the task's prompts and the RL update ----------------------------------------------------
@@ -292,6 +306,22 @@ def top_k_kl(
     return per_position[mask[:, 1:]].mean()
 
 
+def expected_acceptance(
+    target: Any, drafter: Any, ids: torch.Tensor, mask: torch.Tensor, k: int
+) -> float:
+    """The acceptance rate (accepted / proposed) that ``k`` drafts would get at temperature 1,
+    computed from the two models on the target's own samples ``ids``: at every generated
+    position the chance that a draft token is accepted is ``a = sum_v min(p(v), q(v))``
+    (speculative sampling's rule), and a step accepts ``a + a^2 + ... + a^k`` of its ``k``
+    drafts on average if every draft position had that ``a``."""
+    with torch.no_grad():
+        p = torch.softmax(target(input_ids=ids).logits[:, :-1].float(), -1)
+        q = torch.softmax(drafter(input_ids=ids).logits[:, :-1].float(), -1)
+    overlap = torch.minimum(p, q).sum(-1)[mask[:, 1:]]
+    runs = torch.stack([overlap**j for j in range(1, k + 1)]).sum(0)
+    return float(runs.mean() / k)
+
+
 # ---- the bench -------------------------------------------------------------------------------
 
 
@@ -328,9 +358,18 @@ def measure_speed(
 
 
 def rl_phase(
-    engines: dict[str, Engine], prepared: Prepared, target: Any, args: argparse.Namespace
+    engines: dict[str, Engine],
+    prepared: Prepared,
+    target: Any,
+    args: argparse.Namespace,
+    restart: Callable[[Path], Engine] | None = None,
 ) -> list[RlStep]:
-    """``args.rl_steps`` steps; ``engines`` holds ``plain``, ``frozen`` and maybe ``refit``."""
+    """``args.rl_steps`` steps; ``engines`` holds ``plain``, ``frozen`` and maybe ``refit``.
+
+    ``restart``: where the backend takes no drafter refits, builds the ``refit`` engine anew on
+    a drafter directory (written under ``args.scratch``); the new engine then gets the target's
+    weights by a refit. None: the drafter goes in the target's refit.
+    """
     torch.manual_seed(0)
     optimizer = torch.optim.Adam(target.parameters(), lr=args.rl_lr)
     drafters = {name: load_model(prepared.drafter) for name in engines if name != "plain"}
@@ -363,6 +402,9 @@ def rl_phase(
         with torch.no_grad():
             for name, drafter in drafters.items():
                 record.drafter_kl[name] = float(top_k_kl(drafter, ids, mask, teacher))
+                record.expected_acceptance[name] = expected_acceptance(
+                    target, drafter, ids, mask, args.k
+                )
         record.reward = reinforce_step(target, optimizer, ids, mask)
         if distiller is not None:
             teacher = top_k_teacher(target, ids, args.top_k)  # the target after its step
@@ -372,8 +414,13 @@ def rl_phase(
                 kl.backward()
                 distiller.step()
         weights = {n: t.detach() for n, t in target.state_dict().items()}
+        if restart is not None:
+            directory = Path(args.scratch) / f"drafter-{step}"
+            save_model(drafters["refit"], prepared.drafter, directory)
+            engines.pop("refit").close()
+            engines["refit"] = restart(directory)
         for name, engine in engines.items():
-            if name == "refit":
+            if name == "refit" and restart is None:
                 engine.refitter.refit({**weights, **drafter_named(drafters["refit"])})
             else:
                 engine.refitter.refit(weights)
@@ -390,6 +437,7 @@ def _rl_row(r: RlStep) -> str:
     for name in ("frozen", "refit"):
         cells += [
             pick(r.acceptance, name, ".3f"),
+            pick(r.expected_acceptance, name, ".3f"),
             pick(r.speed_up, name, ".2f"),
             pick(r.speed_up_batch1, name, ".2f"),
             pick(r.drafter_kl, name, ".3f"),
@@ -417,7 +465,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines["plain"] = Engine("plain", str(prepared.target), args.new, None)
         engines["frozen"] = Engine("frozen", str(prepared.target), args.new, speculative)
         print(
-            f"\nbatch sizes, K={args.k}, {args.new} tokens a row, temperature 1\n"
+            f"\nbatch sizes, K={args.k}, {args.new} tokens a row, "
+            f"{'greedy' if args.greedy else 'temperature 1'}\n"
             "| batch | plain tok/s | speculative tok/s | ratio (spread) | acceptance "
             "| verify step / plain step | break-even acceptance |\n|---|---|---|---|---|---|---|",
             flush=True,
@@ -434,6 +483,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["speed"] = [{**asdict(f), **f.summary(args.k)} for f in speed]
 
         target = load_model(prepared.target)
+        sampled = engines["plain"].run(prompts(prepared, 64, seed=30_000))[1]
+        t1 = expected_acceptance(target, load_model(prepared.drafter), *generated(sampled), args.k)
+        result["expected_t1_acceptance"] = t1
+        print(f"\nacceptance at temperature 1, from the models on the target's samples: {t1:.3f}")
+        for row in result["speed"]:
+            row["predicted_t1_ratio"] = (1 + args.k * t1) / row["verify_step_cost"]
+            print(
+                f"batch {row['batch']}: predicted temperature-1 ratio "
+                f"{row['predicted_t1_ratio']:.3f} (this acceptance, the verifying step's cost "
+                "measured above)"
+            )
         engines["refit"] = Engine("refit", str(prepared.target), args.new, speculative)
         refit_engine = engines["refit"]
         why_not = try_drafter_refit(
@@ -442,17 +502,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             {**target.state_dict(), **drafter_named(load_model(prepared.drafter))},
         )
         result["drafter_refits"] = why_not or "offered"
-        if why_not is not None:
+        restart = None
+        if why_not is not None and args.drafter_by_restart:
+            print(
+                f"\n{_NOT_OFFERED} ({why_not}): the refit drafter reaches its engine by a "
+                "restart each step (--drafter-by-restart; the restart is not timed)"
+            )
+            result["drafter_refits"] = f"by restart: {why_not}"
+
+            def restart(drafter: Path) -> Engine:
+                spec = {**speculative, "model": str(drafter)}
+                return Engine("refit", str(prepared.target), args.new, spec)
+
+        elif why_not is not None:
             print(f"\n{_NOT_OFFERED} ({why_not}): the RL phase runs the frozen drafter only")
             engines.pop("refit").close()
         print(
             f"\nRL steps: rewards and per drafter: acceptance, speed-up at batch "
             f"{args.rl_batch} and at batch 1, top-{args.top_k} KL to the target\n"
-            "| step | reward | frozen acc. | frozen x | frozen x b1 | frozen KL "
-            "| refit acc. | refit x | refit x b1 | refit KL |\n" + "|---" * 10 + "|",
+            "| step | reward | frozen acc. | frozen T=1 acc. (models) | frozen x | frozen x b1 "
+            "| frozen KL | refit acc. | refit T=1 acc. (models) | refit x | refit x b1 "
+            "| refit KL |\n" + "|---" * 12 + "|",
             flush=True,
         )
-        result["rl"] = [asdict(s) for s in rl_phase(engines, prepared, target, args)]
+        with tempfile.TemporaryDirectory(prefix="speculative-drafters-") as scratch:
+            args.scratch = scratch
+            steps = rl_phase(engines, prepared, target, args, restart)
+        result["rl"] = [asdict(s) for s in steps]
     finally:
         for engine in engines.values():
             engine.close()

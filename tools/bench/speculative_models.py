@@ -241,7 +241,7 @@ def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
             f"{ENTROPY_BAND}: change the task (successors, logit_std) or train longer"
         )
     target.eval()
-    _save(target, build_tiny_model(recipe.target).path, out / "target")
+    save_model(target, build_tiny_model(recipe.target).path, out / "target")
 
     samples = _sample(target, task, recipe)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
     with torch.no_grad():
         held_kl = float(forward_kl(drafter, samples[:64], teacher[:64]))
     drafter_entropy, drafter_loss = mean_entropy(drafter, held_out)
-    _save(drafter, build_tiny_model(recipe.drafter).path, out / "drafter")
+    save_model(drafter, build_tiny_model(recipe.drafter).path, out / "drafter")
     return {
         "task_entropy_rate": task.entropy_rate(vocab),
         "target_steps": step,
@@ -314,8 +314,9 @@ def _sample(model: Any, task: MarkovTask, recipe: Recipe) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _save(model: Any, init: Path, out: Path) -> None:
-    """The model's weights and config, and the init directory's tokenizer files."""
+def save_model(model: Any, init: Path, out: Path) -> None:
+    """Write ``model`` to ``out`` as a Hugging Face directory: its weights and config, and the
+    tokenizer files of the directory ``init``."""
     model.save_pretrained(out, safe_serialization=True)
     for path in init.iterdir():
         if path.name not in {"config.json", "model.safetensors"} and path.is_file():
