@@ -138,3 +138,16 @@ def test_the_models_acceptance_is_one_for_the_target_itself_and_less_for_another
     ids, mask = bench.generated(_rollouts())
     assert bench.expected_acceptance(target, target, ids, mask, 3) == pytest.approx(1.0)
     assert 0.0 < bench.expected_acceptance(target, drafter, ids, mask, 3) < 0.99
+
+
+def test_the_top_k_kl_is_zero_for_the_target_itself_and_positive_for_another_drafter():
+    from gen_testkit.models import build_tiny_model
+    from speculative_models import load_model
+
+    target = load_model(build_tiny_model("tiny-llama").path)
+    drafter = load_model(build_tiny_model("tiny-qwen2").path)
+    ids, mask = bench.generated(_rollouts())
+    teacher = bench.top_k_teacher(target, ids, 4)
+    with torch.no_grad():
+        assert bench.top_k_kl(target, ids, mask, teacher).item() == pytest.approx(0.0, abs=1e-5)
+        assert bench.top_k_kl(drafter, ids, mask, teacher).item() > 0.01
