@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "num_speculative_tokens": args.k,
     }
     engines: dict[str, Engine] = {}
-    result: dict[str, Any] = {"settings": vars(args), "models": prepared.figures}
+    result: dict[str, Any] = {"settings": dict(vars(args)), "models": prepared.figures}
     try:
         engines["plain"] = Engine("plain", str(prepared.target), args.new, None)
         engines["frozen"] = Engine("frozen", str(prepared.target), args.new, speculative)
@@ -534,6 +534,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif why_not is not None:
             print(f"\n{_NOT_OFFERED} ({why_not}): the RL phase runs the frozen drafter only")
             engines.pop("refit").close()
+        if "refit" in engines:  # a new engine's first call is slower
+            engines["refit"].run(prompts(prepared, args.rl_batch, seed=39_999), args.greedy)
         print(
             f"\nRL steps: rewards and per drafter: acceptance, speed-up at batch "
             f"{args.rl_batch} and at batch 1, top-{args.top_k} KL to the target\n"
