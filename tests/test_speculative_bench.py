@@ -151,3 +151,68 @@ def test_the_top_k_kl_is_zero_for_the_target_itself_and_positive_for_another_dra
     with torch.no_grad():
         assert bench.top_k_kl(target, ids, mask, teacher).item() == pytest.approx(0.0, abs=1e-5)
         assert bench.top_k_kl(drafter, ids, mask, teacher).item() > 0.01
+
+
+def _small_recipe():
+    import dataclasses
+
+    from speculative_models import DRAFTER, TARGET, Recipe
+
+    small = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1}
+    return Recipe(
+        task=MarkovTask(symbols=32, successors=4),
+        target=dataclasses.replace(TARGET, num_attention_heads=2, num_key_value_heads=1, **small),
+        drafter=dataclasses.replace(DRAFTER, num_attention_heads=2, num_key_value_heads=1, **small),
+        length=16,
+        batch=4,
+        target_steps=25,
+        drafter_samples=8,
+        drafter_steps=50,
+    )
+
+
+def test_prepare_writes_loadable_models_and_reuses_them(tmp_path, monkeypatch, capsys):
+    import speculative_models
+
+    monkeypatch.setattr(speculative_models, "ENTROPY_BAND", (0.0, 100.0))
+    recipe = _small_recipe()
+    built = speculative_models.prepare(recipe, cache=tmp_path)
+    assert "target step 25" in capsys.readouterr().out
+    for directory in (built.target, built.drafter):
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+            p.name for p in directory.iterdir()
+        }
+    assert speculative_models.load_model(built.drafter).config.vocab_size == 512
+    assert built.figures["target_steps"] == 25
+    assert built.figures["drafter_forward_kl"] >= 0
+    again = speculative_models.prepare(recipe, cache=tmp_path)
+    assert again == built and "target step" not in capsys.readouterr().out
+
+
+def test_prepare_refuses_a_target_outside_the_entropy_band(tmp_path, monkeypatch):
+    import speculative_models
+
+    monkeypatch.setattr(speculative_models, "ENTROPY_BAND", (0.0, 0.01))
+    with pytest.raises(RuntimeError, match="outside"):
+        speculative_models.prepare(_small_recipe(), cache=tmp_path)
+    assert not list(tmp_path.glob("*speculative-*"))  # nothing half-built is left
+
+
+def test_the_rl_summary_compares_the_first_and_last_five_steps():
+    steps = [
+        bench.RlStep(
+            step,
+            reward=0.0,
+            acceptance={"frozen": 0.9 - 0.05 * step},
+            expected_acceptance={"frozen": 0.8 - 0.05 * step},
+            speed_up={"frozen": 1.0 + step},
+            speed_up_batch1={"frozen": 2.0},
+        )
+        for step in range(10)
+    ]
+    summary = bench.rl_summary(steps)["frozen"]
+    assert summary["acceptance_first"] == pytest.approx(0.8)  # steps 0-4
+    assert summary["acceptance_last"] == pytest.approx(0.55)  # steps 5-9
+    assert summary["t1_acceptance_last"] == pytest.approx(0.45)
+    assert summary["speed_up"] == pytest.approx(5.5)
+    assert summary["speed_up_batch1"] == 2.0

@@ -446,6 +446,23 @@ def rl_phase(
     return steps
 
 
+def rl_summary(steps: list[RlStep]) -> dict[str, dict[str, float]]:
+    """Per drafter: its acceptance (the engine's, and at temperature 1 from the models) over the
+    first and the last five steps (medians), and the median speed-ups over all the steps."""
+    summary = {}
+    for name in steps[0].acceptance if steps else {}:
+        first, last = steps[:5], steps[-5:]
+        summary[name] = {
+            "acceptance_first": statistics.median(s.acceptance[name] for s in first),
+            "acceptance_last": statistics.median(s.acceptance[name] for s in last),
+            "t1_acceptance_first": statistics.median(s.expected_acceptance[name] for s in first),
+            "t1_acceptance_last": statistics.median(s.expected_acceptance[name] for s in last),
+            "speed_up": statistics.median(s.speed_up[name] for s in steps),
+            "speed_up_batch1": statistics.median(s.speed_up_batch1[name] for s in steps),
+        }
+    return summary
+
+
 def _rl_row(r: RlStep) -> str:
     def pick(values: dict[str, float], name: str, fmt: str) -> str:
         return format(values[name], fmt) if name in values else "-"
@@ -548,6 +565,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.scratch = scratch
             steps = rl_phase(engines, prepared, target, args, restart)
         result["rl"] = [asdict(s) for s in steps]
+        result["rl_summary"] = rl_summary(steps)
+        for name, figures in result["rl_summary"].items():
+            print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
     finally:
         for engine in engines.values():
             engine.close()

@@ -171,7 +171,7 @@ def prepare(recipe: Recipe = Recipe(), *, cache: Path | None = None) -> Prepared
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".speculative-{recipe.key}-", dir=root.parent))
     try:
-        figures = _build(recipe, staging)
+        figures = _build(recipe, staging, root.parent)
         (staging / "figures.json").write_text(json.dumps(figures, indent=1, sort_keys=True))
         try:
             staging.rename(root)
@@ -203,7 +203,8 @@ def mean_entropy(model: Any, sequences: torch.Tensor, chunk: int = 64) -> tuple[
     return float(torch.cat(entropies).mean()), float(torch.cat(losses).mean())
 
 
-def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
+def _build(recipe: Recipe, out: Path, cache: Path) -> dict[str, Any]:
+    """Train and distil into ``out``; the starting weights come from ``cache``."""
     torch.set_num_threads(recipe.threads)
     torch.manual_seed(0)
     vocab = recipe.target.vocab_size
@@ -211,7 +212,7 @@ def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
     held_out = task.sample(64, recipe.length, seed=10**6, vocab=vocab)
     start = time.perf_counter()
 
-    target = load_model(build_tiny_model(recipe.target).path)
+    target = load_model(build_tiny_model(recipe.target, cache=cache).path)
     optimizer = torch.optim.Adam(target.parameters(), lr=recipe.target_lr)
     entropy = loss = float("nan")
     step = 0
@@ -241,7 +242,7 @@ def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
             f"{ENTROPY_BAND}: change the task (successors, logit_std) or train longer"
         )
     target.eval()
-    save_model(target, build_tiny_model(recipe.target).path, out / "target")
+    save_model(target, build_tiny_model(recipe.target, cache=cache).path, out / "target")
 
     samples = _sample(target, task, recipe)
     with torch.no_grad():
@@ -251,7 +252,7 @@ def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
                 for p in samples.split(64)
             ]
         )
-    drafter = load_model(build_tiny_model(recipe.drafter).path)
+    drafter = load_model(build_tiny_model(recipe.drafter, cache=cache).path)
     optimizer = torch.optim.Adam(drafter.parameters(), lr=recipe.drafter_lr)
     generator = torch.Generator().manual_seed(1)
     for drafter_step in range(1, recipe.drafter_steps + 1):
@@ -270,7 +271,7 @@ def _build(recipe: Recipe, out: Path) -> dict[str, Any]:
     with torch.no_grad():
         held_kl = float(forward_kl(drafter, samples[:64], teacher[:64]))
     drafter_entropy, drafter_loss = mean_entropy(drafter, held_out)
-    save_model(drafter, build_tiny_model(recipe.drafter).path, out / "drafter")
+    save_model(drafter, build_tiny_model(recipe.drafter, cache=cache).path, out / "drafter")
     return {
         "task_entropy_rate": task.entropy_rate(vocab),
         "target_steps": step,
