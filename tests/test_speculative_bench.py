@@ -138,6 +138,13 @@ def test_the_models_acceptance_is_one_for_the_target_itself_and_less_for_another
     ids, mask = bench.generated(_rollouts())
     assert bench.expected_acceptance(target, target, ids, mask, 3) == pytest.approx(1.0)
     assert 0.0 < bench.expected_acceptance(target, drafter, ids, mask, 3) < 0.99
+    # greedy drafts are accepted with the target's probability of the drafter's likeliest token
+    with torch.no_grad():
+        p = torch.softmax(target(input_ids=ids).logits[:, :-1], -1)
+    top = p.max(-1).values[mask[:, 1:]]
+    by_hand = float((top + top**2 + top**3).mean() / 3)
+    greedy = bench.expected_acceptance(target, target, ids, mask, 3, greedy_drafts=True)
+    assert greedy == pytest.approx(by_hand, rel=1e-5)
 
 
 def test_the_top_k_kl_is_zero_for_the_target_itself_and_positive_for_another_drafter():
