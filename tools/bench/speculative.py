@@ -555,10 +555,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         for row in result["speed"]:
             row["predicted_t1_ratio"] = (1 + args.k * t1) / row["verify_step_cost"]
+            row["predicted_t1_ratio_greedy_drafts"] = (1 + args.k * t1_greedy) / row[
+                "verify_step_cost"
+            ]
             print(
                 f"batch {row['batch']}: predicted temperature-1 ratio "
-                f"{row['predicted_t1_ratio']:.3f} (this acceptance, the verifying step's cost "
-                "measured above)"
+                f"{row['predicted_t1_ratio']:.3f} with sampled drafts, "
+                f"{row['predicted_t1_ratio_greedy_drafts']:.3f} with greedy drafts (these "
+                "acceptances, the verifying step's cost measured above)"
             )
         engines["refit"] = Engine("refit", str(prepared.target), args.new, speculative)
         refit_engine = engines["refit"]
