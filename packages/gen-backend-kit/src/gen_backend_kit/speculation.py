@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 #: Proposed tokens per acceptance window of ``watch_acceptance``.
 WINDOW_PROPOSED = 512
 #: ``speculative.min_acceptance_rate`` when the config leaves it out: just below the smallest
-#: break-even acceptance ``tools/bench/speculative.py`` measured (0.34 at batch 1 on 2 CPU
+#: break-even acceptance ``tools/bench/speculative.py`` measured (0.42 at batch 1 on 2 CPU
 #: cores; gen-vllm's README), under which speculation loses at every batch size; 0 turns the
 #: warning off.
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.3
