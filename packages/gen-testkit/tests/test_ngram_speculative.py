@@ -4,6 +4,7 @@ speculative properties, and the whole conformance suite, hold on it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from gen_interface import GenerationConfigError
@@ -26,10 +27,11 @@ def _subject(backend: NgramGeneration) -> ConformanceSubject:
 
 
 def speculative_subject(
-    mode: str = "raw", backend_cls: type[NgramGeneration] = NgramGeneration
+    mode: str = "raw", backend_cls: type[NgramGeneration] = NgramGeneration, **settings: Any
 ) -> Iterator[ConformanceSubject]:
-    """A speculating n-gram subject (the fault suite passes broken classes)."""
-    backend = backend_cls(_config(speculative=SPECULATIVE, logprobs_mode=mode))
+    """A speculating n-gram subject, ``settings`` added to its ``speculative`` section (the
+    fault suite passes broken classes)."""
+    backend = backend_cls(_config(speculative={**SPECULATIVE, **settings}, logprobs_mode=mode))
     yield _subject(backend)
     backend.shutdown()
 
@@ -116,7 +118,4 @@ class TestNgramSpeculativeGreedyDrafts(TestNgramSpeculative):
     @pytest.fixture(scope="class")
     @classmethod
     def subject(cls) -> Iterator[ConformanceSubject]:
-        greedy = {**SPECULATIVE, "draft_sample_method": "greedy"}
-        backend = NgramGeneration(_config(speculative=greedy))
-        yield _subject(backend)
-        backend.shutdown()
+        yield from speculative_subject(draft_sample_method="greedy")

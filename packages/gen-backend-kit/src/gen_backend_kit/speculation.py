@@ -101,7 +101,7 @@ class SpeculationCounts:
         self._what = ""
         self._window = [0, 0]  # proposed, accepted in the window being filled
         self._recent: float | None = None  # the last full window's acceptance rate
-        self._warned = False
+        self._below = False  # the last full window was below the floor
         self.clear()
 
     def watch_acceptance(self, floor: float, what: str) -> None:
@@ -137,8 +137,8 @@ class SpeculationCounts:
             rate = self._recent = self._window[1] / self._window[0]
             self._window = [0, 0]
             below = rate < self._floor
-            warn = below and not self._warned
-            self._warned = below
+            warn = below and not self._below
+            self._below = below
         if warn:
             logger.warning(
                 "%s: speculative decoding accepted %.0f%% of the last %d proposed tokens, below "
@@ -155,7 +155,7 @@ class SpeculationCounts:
         """The ``SPECULATION_METRICS``, by name."""
         with self._lock:
             drafts, proposed, accepted = self._drafts, self._proposed, self._accepted
-            recent, below = self._recent, self._warned
+            recent, below = self._recent, self._below
         return {
             "speculative_recent_acceptance_rate": 0.0 if recent is None else recent,
             "speculative_below_break_even": int(below),
