@@ -2,7 +2,7 @@
 
     uv run python tools/bench/speculative.py [--k 3] [--batches 1,16,64] [--pairs 5] [--new 48]
         [--rl-steps 20] [--rl-batch 16] [--draft-sample-method probabilistic] [--greedy]
-        [--drafter-by-restart] [--quick]
+        [--drafter-by-restart] [--speed-only] [--quick]
         [--json FILE]
 
 ``--quick``: 2 pairs, batch sizes 1 and 16, 3 RL steps. ``--greedy``: every timed run (both
@@ -45,6 +45,13 @@ average (``a``: the acceptance rate, so that ``L`` is vLLM's mean acceptance len
 rejection sampling, and the rows that wait on the slowest of their batch. Speculation pays
 when ``1 + K * a > c``, so the break-even acceptance is ``a* = (c - 1) / K``; above 1 it never
 pays at that batch size. (``c`` is taken at the acceptance measured; it barely depends on it.)
+
+**Batch schedule.** Where speculation lost at some batch size (ratio below 1), the bench times
+the same engine with ``num_speculative_tokens_per_batch_size`` 0 at every size against ``plain``,
+as above: no drafts, but vLLM still runs the drafter's forward over each step's tokens (to keep
+its KV cache for when drafting resumes), so that is not free. ``batch_schedule`` then gives the
+schedule these figures call for: each size K drafts or none, whichever was faster.
+``--speed-only`` stops here, before the RL phase.
 
 **RL.** ``--rl-steps`` steps in which the target moves: each step the plain engine samples
 ``--rl-batch`` rows, the target takes one REINFORCE step on them (reward: the share of a row's
@@ -98,6 +105,8 @@ PROMPT_TOKENS = 16
 DRAFTER_PREFIX = "drafter."
 _KV_GIB = 1.0
 _NOT_OFFERED = "drafter refits not offered by this backend yet"
+#: The last batch size of a schedule's final range (past any engine's max_num_seqs).
+SCHEDULE_END = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the backend takes no drafter refits, restart the refit drafter's engine on "
         "the drafter's new weights each step instead of leaving that mode out",
     )
+    parser.add_argument(
+        "--speed-only", action="store_true", help="the batch sizes and the schedule, no RL phase"
+    )
     parser.add_argument("--quick", action="store_true", help="2 pairs, batches 1,16, 3 RL steps")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
@@ -149,6 +161,26 @@ def break_even_acceptance(step_cost: float, k: int) -> float:
     """The acceptance rate at which speculation with ``k`` drafts neither gains nor loses:
     ``(step_cost - 1) / k`` (above 1: it never pays)."""
     return (step_cost - 1) / k
+
+
+def batch_schedule(
+    with_drafts: dict[int, float], without: dict[int, float], k: int
+) -> list[list[int]] | None:
+    """``num_speculative_tokens_per_batch_size`` from measured speed-ups over plain decoding
+    (batch size -> ratio) of an engine proposing ``k`` drafts (``with_drafts``) and of the same
+    engine with its schedule at 0 everywhere (``without``: the drafter still runs a forward a
+    step): each measured size takes whichever was faster there, and a size between two measured
+    ones takes the smaller one's (vLLM carries a range's k forward); None when ``k`` won at every
+    size (no schedule needed)."""
+    ranges: list[list[int]] = []
+    for size in sorted(with_drafts):
+        tokens = k if with_drafts[size] >= without.get(size, 0.0) else 0
+        if ranges and ranges[-1][2] == tokens:
+            continue
+        if ranges:
+            ranges[-1][1] = size - 1
+        ranges.append([1 if not ranges else size, SCHEDULE_END, tokens])
+    return None if ranges == [[1, SCHEDULE_END, k]] else ranges
 
 
 # ---- engines ---------------------------------------------------------------------------------
@@ -364,9 +396,16 @@ def expected_acceptance(
 # ---- the bench -------------------------------------------------------------------------------
 
 
+_SPEED_HEADER = (
+    "| batch | plain tok/s | speculative tok/s | ratio (spread) | acceptance "
+    "| verify step / plain step | break-even acceptance |\n|---|---|---|---|---|---|---|"
+)
+
+
 def measure_speed(
     plain: Engine, spec: Engine, prepared: Prepared, args: argparse.Namespace
 ) -> list[SpeedFigure]:
+    print(_SPEED_HEADER, flush=True)
     figures = []
     for size in [int(b) for b in args.batches.split(",")]:
         batch = prompts(prepared, size, seed=100 + size)
@@ -532,9 +571,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines["frozen"] = Engine("frozen", str(prepared.target), args.new, speculative)
         print(
             f"\nbatch sizes, K={args.k}, {args.new} tokens a row, "
-            f"{'greedy' if args.greedy else 'temperature 1'}\n"
-            "| batch | plain tok/s | speculative tok/s | ratio (spread) | acceptance "
-            "| verify step / plain step | break-even acceptance |\n|---|---|---|---|---|---|---|",
+            f"{'greedy' if args.greedy else 'temperature 1'}",
             flush=True,
         )
         try:
@@ -547,71 +584,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "with --greedy, which times greedy rows on both sides"
             ) from exc
         result["speed"] = [{**asdict(f), **f.summary(args.k)} for f in speed]
-
-        target = load_model(prepared.target)
-        sampled = engines["plain"].run(prompts(prepared, 64, seed=30_000))[1]
-        drafter = load_model(prepared.drafter)
-        t1 = expected_acceptance(target, drafter, *generated(sampled), args.k)
-        t1_greedy = expected_acceptance(
-            target, drafter, *generated(sampled), args.k, greedy_drafts=True
-        )
-        result["expected_t1_acceptance"] = t1
-        result["expected_t1_acceptance_greedy_drafts"] = t1_greedy
-        print(
-            f"\nacceptance at temperature 1, from the models on the target's samples: {t1:.3f} "
-            f"with sampled drafts, {t1_greedy:.3f} with greedy drafts (vLLM's default)"
-        )
-        for row in result["speed"]:
-            row["predicted_t1_ratio"] = (1 + args.k * t1) / row["verify_step_cost"]
-            row["predicted_t1_ratio_greedy_drafts"] = (1 + args.k * t1_greedy) / row[
-                "verify_step_cost"
-            ]
+        lost = [r["batch"] for r in result["speed"] if r["ratio"] < 1.0]
+        if lost:
             print(
-                f"batch {row['batch']}: predicted temperature-1 ratio "
-                f"{row['predicted_t1_ratio']:.3f} with sampled drafts, "
-                f"{row['predicted_t1_ratio_greedy_drafts']:.3f} with greedy drafts (these "
-                "acceptances, the verifying step's cost measured above)"
+                f"\nspeculation lost at batch size(s) {lost}: the same engine again with its "
+                f"batch schedule at 0 everywhere (num_speculative_tokens_per_batch_size "
+                f"{[[1, SCHEDULE_END, 0]]}: no drafts, the drafter's forward still runs)",
+                flush=True,
             )
-        engines["refit"] = Engine("refit", str(prepared.target), args.new, speculative)
-        refit_engine = engines["refit"]
-        why_not = try_drafter_refit(
-            refit_engine.backend,
-            refit_engine.refitter,
-            {**target.state_dict(), **drafter_named(load_model(prepared.drafter))},
-        )
-        result["drafter_refits"] = why_not or "offered"
-        restart = None
-        if why_not is not None and args.drafter_by_restart:
+            off = {**speculative, "num_speculative_tokens_per_batch_size": [[1, SCHEDULE_END, 0]]}
+            engines["off"] = Engine("off", str(prepared.target), args.new, off)
+            drafts_off = measure_speed(engines["plain"], engines["off"], prepared, args)
+            engines.pop("off").close()
+            result["drafts_off_speed"] = [{**asdict(f), **f.summary(args.k)} for f in drafts_off]
+            ratios = {r["batch"]: r["ratio"] for r in result["speed"]}
+            ratios_off = {r["batch"]: r["ratio"] for r in result["drafts_off_speed"]}
+            result["schedule"] = batch_schedule(ratios, ratios_off, args.k)
             print(
-                f"\n{_NOT_OFFERED} ({why_not}): the refit drafter reaches its engine by a "
-                "restart each step (--drafter-by-restart; the restart is not timed)"
+                f"the batch schedule these figures give: {result['schedule']} (None: always "
+                f"{args.k} drafts); expected ratio per batch size: "
+                + ", ".join(f"{b} {max(ratios[b], ratios_off[b]):.3f}" for b in sorted(ratios)),
+                flush=True,
             )
-            result["drafter_refits"] = f"by restart: {why_not}"
-
-            def restart(drafter: Path) -> Engine:
-                spec = {**speculative, "model": str(drafter)}
-                return Engine("refit", str(prepared.target), args.new, spec)
-
-        elif why_not is not None:
-            print(f"\n{_NOT_OFFERED} ({why_not}): the RL phase runs the frozen drafter only")
-            engines.pop("refit").close()
-        if "refit" in engines:  # a new engine's first call is slower
-            engines["refit"].run(prompts(prepared, args.rl_batch, seed=39_999), args.greedy)
-        print(
-            f"\nRL steps: rewards and per drafter: acceptance, speed-up at batch "
-            f"{args.rl_batch} and at batch 1, top-{args.top_k} KL to the target\n"
-            "| step | reward | frozen acc. | frozen T=1 acc. (models) | frozen, greedy drafts "
-            "| frozen x | frozen x b1 | frozen KL | refit acc. | refit T=1 acc. (models) "
-            "| refit, greedy drafts | refit x | refit x b1 | refit KL |\n" + "|---" * 14 + "|",
-            flush=True,
-        )
-        with tempfile.TemporaryDirectory(prefix="speculative-drafters-") as scratch:
-            args.scratch = scratch
-            steps = rl_phase(engines, prepared, target, args, restart)
-        result["rl"] = [asdict(s) for s in steps]
-        result["rl_summary"] = rl_summary(steps)
-        for name, figures in result["rl_summary"].items():
-            print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+        if not args.speed_only:
+            rl_part(engines, prepared, args, speculative, result)
     finally:
         for engine in engines.values():
             engine.close()
@@ -621,6 +617,80 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)
     return result
+
+
+def rl_part(
+    engines: dict[str, Engine],
+    prepared: Prepared,
+    args: argparse.Namespace,
+    speculative: dict[str, Any],
+    result: dict[str, Any],
+) -> None:
+    """The temperature-1 acceptance the models predict, then the RL phase (``rl_phase``) with
+    the frozen drafter and, where the backend takes drafter refits, the refit one; figures into
+    ``result``, engines into ``engines`` (the caller closes them)."""
+    target = load_model(prepared.target)
+    sampled = engines["plain"].run(prompts(prepared, 64, seed=30_000))[1]
+    drafter = load_model(prepared.drafter)
+    t1 = expected_acceptance(target, drafter, *generated(sampled), args.k)
+    t1_greedy = expected_acceptance(
+        target, drafter, *generated(sampled), args.k, greedy_drafts=True
+    )
+    result["expected_t1_acceptance"] = t1
+    result["expected_t1_acceptance_greedy_drafts"] = t1_greedy
+    print(
+        f"\nacceptance at temperature 1, from the models on the target's samples: {t1:.3f} "
+        f"with sampled drafts, {t1_greedy:.3f} with greedy drafts (vLLM's default)"
+    )
+    for row in result["speed"]:
+        row["predicted_t1_ratio"] = (1 + args.k * t1) / row["verify_step_cost"]
+        row["predicted_t1_ratio_greedy_drafts"] = (1 + args.k * t1_greedy) / row["verify_step_cost"]
+        print(
+            f"batch {row['batch']}: predicted temperature-1 ratio "
+            f"{row['predicted_t1_ratio']:.3f} with sampled drafts, "
+            f"{row['predicted_t1_ratio_greedy_drafts']:.3f} with greedy drafts (these "
+            "acceptances, the verifying step's cost measured above)"
+        )
+    engines["refit"] = Engine("refit", str(prepared.target), args.new, speculative)
+    refit_engine = engines["refit"]
+    why_not = try_drafter_refit(
+        refit_engine.backend,
+        refit_engine.refitter,
+        {**target.state_dict(), **drafter_named(load_model(prepared.drafter))},
+    )
+    result["drafter_refits"] = why_not or "offered"
+    restart = None
+    if why_not is not None and args.drafter_by_restart:
+        print(
+            f"\n{_NOT_OFFERED} ({why_not}): the refit drafter reaches its engine by a "
+            "restart each step (--drafter-by-restart; the restart is not timed)"
+        )
+        result["drafter_refits"] = f"by restart: {why_not}"
+
+        def restart(drafter: Path) -> Engine:
+            spec = {**speculative, "model": str(drafter)}
+            return Engine("refit", str(prepared.target), args.new, spec)
+
+    elif why_not is not None:
+        print(f"\n{_NOT_OFFERED} ({why_not}): the RL phase runs the frozen drafter only")
+        engines.pop("refit").close()
+    if "refit" in engines:  # a new engine's first call is slower
+        engines["refit"].run(prompts(prepared, args.rl_batch, seed=39_999), args.greedy)
+    print(
+        f"\nRL steps: rewards and per drafter: acceptance, speed-up at batch "
+        f"{args.rl_batch} and at batch 1, top-{args.top_k} KL to the target\n"
+        "| step | reward | frozen acc. | frozen T=1 acc. (models) | frozen, greedy drafts "
+        "| frozen x | frozen x b1 | frozen KL | refit acc. | refit T=1 acc. (models) "
+        "| refit, greedy drafts | refit x | refit x b1 | refit KL |\n" + "|---" * 14 + "|",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="speculative-drafters-") as scratch:
+        args.scratch = scratch
+        steps = rl_phase(engines, prepared, target, args, restart)
+    result["rl"] = [asdict(s) for s in steps]
+    result["rl_summary"] = rl_summary(steps)
+    for name, figures in result["rl_summary"].items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
 
 
 if __name__ == "__main__":

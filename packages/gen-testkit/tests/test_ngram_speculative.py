@@ -12,7 +12,7 @@ from gen_testkit.conformance import GenerationConformanceSuite
 from gen_testkit.ngram import NgramGeneration
 from gen_testkit.parity.oracle import NgramLogitsOracle
 from gen_testkit.suite.base import ConformanceSubject, conformance_config
-from gen_testkit.suite.speculative import SpeculativeProperties
+from gen_testkit.suite.speculative import SpeculativeProperties, one_row_only
 
 VOCAB = 512
 SPECULATIVE = {"method": "draft_model", "model": "ngram-drafter", "num_speculative_tokens": 3}
@@ -38,6 +38,13 @@ def speculative_subject(
 
 class TestNgramSpeculative(SpeculativeProperties):
     claims_drafter_refit = True
+    claims_batch_schedule = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scheduled_subject(cls) -> Iterator[ConformanceSubject]:
+        k = SPECULATIVE["num_speculative_tokens"]
+        yield from speculative_subject(num_speculative_tokens_per_batch_size=one_row_only(k))
 
     @pytest.fixture(scope="class")
     @classmethod

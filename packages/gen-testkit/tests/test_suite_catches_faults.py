@@ -381,6 +381,13 @@ class DrafterLogprobs(NgramGeneration):
     _decoder = LogprobsFromTheDrafter
 
 
+class BatchScheduleIgnored(NgramGeneration):
+    """Proposes ``num_speculative_tokens`` drafts at every batch size, whatever the schedule."""
+
+    def _draft_tokens(self, batch_size):
+        return self.config["speculative"]["num_speculative_tokens"]
+
+
 class DrafterRefitIgnored(NgramGeneration):
     """Takes a drafter update and commits it without writing the drafter."""
 
@@ -510,11 +517,21 @@ FAULTS: dict[str, tuple[type[NgramGeneration] | type[NgramFleet], str, set[str]]
         "raw",
         {"test_a_drafter_refit_changes_acceptance_and_never_the_outputs"},
     ),
+    "batch schedule ignored": (
+        BatchScheduleIgnored,
+        "raw",
+        {"test_the_batch_schedule_stops_drafts_where_it_gives_none"},
+    ),
 }
 
 #: Faults of the speculative decoder, caught by the speculative properties.
 SPECULATIVE_FAULTS = frozenset(
-    {"drafter tokens accepted unverified", "logprobs from the drafter", "drafter refit ignored"}
+    {
+        "drafter tokens accepted unverified",
+        "logprobs from the drafter",
+        "drafter refit ignored",
+        "batch schedule ignored",
+    }
 )
 
 
@@ -529,6 +546,7 @@ from gen_testkit.suite.in_flight import InFlightUpdateChecks
 from test_ngram_fleet import ngram_fleet_subject
 from gen_testkit.suite.healing import HealingChecks
 from test_ngram_speculative import TestNgramSpeculative, speculative_subject
+from gen_testkit.suite.speculative import one_row_only
 """
 
 #: Only whether each test fails matters here, not its smallest failing example: skip shrinking.
@@ -583,6 +601,15 @@ class TestFault{index}(TestNgramSpeculative):
     def subject(cls):
         backend_cls, mode, _ = FAULTS[{fault!r}]
         yield from speculative_subject(mode, backend_cls=backend_cls)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scheduled_subject(cls):
+        backend_cls, mode, _ = FAULTS[{fault!r}]
+        schedule = one_row_only(3)
+        yield from speculative_subject(
+            mode, backend_cls=backend_cls, num_speculative_tokens_per_batch_size=schedule
+        )
 """
 
 

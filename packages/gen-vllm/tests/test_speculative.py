@@ -399,13 +399,28 @@ def test_the_plain_engine_reports_no_drafter_and_refuses_drafter_tensors(plain, 
 
 # ---- the testkit's speculative properties ------------------------------------------------------
 
-from gen_testkit.suite.speculative import SpeculativeProperties  # noqa: E402
+from gen_testkit.suite.speculative import SpeculativeProperties, one_row_only  # noqa: E402
 
 
 class TestVllmSpeculativeConformance(SpeculativeProperties):
     """``tiny-llama`` drafted by its own first layer, against the target alone."""
 
     claims_drafter_refit = True
+    claims_batch_schedule = True
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scheduled_subject(cls, build, tiny_llama, drafter):
+        from gen_testkit.suite.base import ConformanceSubject
+
+        speculative = {
+            "method": "draft_model",
+            "model": str(drafter),
+            "num_speculative_tokens": K,
+            "num_speculative_tokens_per_batch_size": one_row_only(K),
+        }
+        backend = build(_config(tiny_llama, speculative=speculative))
+        return ConformanceSubject.for_model(backend, tiny_llama)
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -30,6 +30,15 @@ The backend keeps speculating: turning it off means restarting the engines (seco
 minutes on GPUs) and the next drafter refit usually brings acceptance back, so the choice is
 the trainer's (refit the drafter, lower ``num_speculative_tokens``, or build the backend
 without ``speculative``); ``speculative_below_break_even`` says so on every metrics read.
+
+**Where it never pays.** ``c`` grows with the batch: a verifying step of a large batch is
+compute-bound, so ``a*`` nears 1 and no drafter reaches it (0.97 at batch 64 on 2 CPU cores).
+``num_speculative_tokens_per_batch_size`` (vLLM's dynamic speculation) gives the draft tokens
+of an engine step by the rows it holds, 0 for none, and ``draft_tokens_at`` reads it. A step
+with 0 drafts is not free where a drafter model keeps a KV cache (vLLM runs the drafter's
+forward over the step's tokens, so drafting can resume when the batch shrinks): 0 pays only
+where that forward costs less than speculating loses. ``tools/bench/speculative.py`` measures
+both per batch size and prints the schedule that follows.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ __all__ = [
     "SPECULATION_METRICS",
     "WINDOW_PROPOSED",
     "SpeculationCounts",
+    "draft_tokens_at",
     "refuse_unoffered_speculation",
 ]
 
@@ -90,6 +100,23 @@ def refuse_unoffered_speculation(
         f"speculative.method {method!r} is set but {backend} does not offer it ({offer}); use "
         "backend 'vllm', or leave speculative out"
     )
+
+
+def draft_tokens_at(section: Mapping[str, Any], batch_size: int) -> int:
+    """The draft tokens a verifying step of ``batch_size`` rows proposes under the
+    ``speculative`` ``section``: ``num_speculative_tokens``, or what its batch schedule
+    (``num_speculative_tokens_per_batch_size``, validated) gives that size, as vLLM reads it:
+    a size between two ranges or past the last takes the k of the range below it."""
+    k = int(section["num_speculative_tokens"])
+    schedule = section.get("num_speculative_tokens_per_batch_size")
+    if not schedule:
+        return k
+    out = k
+    for first, _last, tokens in schedule:
+        if first > batch_size:
+            break
+        out = min(k, int(tokens))
+    return out
 
 
 class SpeculationCounts:

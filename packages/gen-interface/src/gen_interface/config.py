@@ -262,6 +262,7 @@ def _check_speculative(section: Any) -> None:
             f"speculative.draft_sample_method must be one of {list(get_args(DraftSampleMethod))}"
             f", got {drafting!r}"
         )
+    _check_batch_schedule(section.get("num_speculative_tokens_per_batch_size"), tokens)
     floor = section.get("min_acceptance_rate", 0.0)
     if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 <= floor <= 1:
         raise GenerationConfigError(
@@ -284,6 +285,35 @@ def _check_speculative(section: Any) -> None:
                 "speculative.prompt_lookup_min and prompt_lookup_max must be integers with "
                 f"1 <= min <= max, got {low!r} and {high!r}"
             )
+
+
+def _check_batch_schedule(schedule: Any, tokens: int) -> None:
+    """``speculative.num_speculative_tokens_per_batch_size``: None, or sorted inclusive ranges
+    ``(first, last, k)`` of batch size that start at 1, overlap nowhere and propose
+    ``0 <= k <= tokens`` drafts."""
+    if schedule is None:
+        return
+    what = (
+        "speculative.num_speculative_tokens_per_batch_size must be a list of (first, last, k): "
+        "inclusive batch-size ranges, sorted, the first starting at 1, none overlapping, each "
+        f"with 0 <= k <= num_speculative_tokens ({tokens}); e.g. [[1, 8, {tokens}], [9, 1024, 0]]"
+    )
+    if not isinstance(schedule, list | tuple) or not schedule:
+        raise GenerationConfigError(f"{what}; got {schedule!r}")
+    end = 0
+    for entry in schedule:
+        if (
+            not isinstance(entry, list | tuple)
+            or len(entry) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        ):
+            raise GenerationConfigError(f"{what}; entry {entry!r} is not three integers")
+        first, last, k = entry
+        if (end == 0 and first != 1) or first <= end:
+            raise GenerationConfigError(f"{what}; entry {list(entry)} starts at {first}")
+        if last < first or not 0 <= k <= tokens:
+            raise GenerationConfigError(f"{what}; got entry {list(entry)}")
+        end = last
 
 
 def with_per_call_overrides(config: ConfigT, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,13 @@ class SpeculativeConfig(TypedDict, total=False):
     # as often as drafter and target agree). Both are lossless; see the backend's README for
     # what a seed means with each
     draft_sample_method: DraftSampleMethod
+    # vLLM's dynamic speculation: ``[[first, last, k], ...]``, inclusive ranges of batch size
+    # (the rows an engine step holds) from 1 up, each with the draft tokens proposed at that size
+    # (0 <= k <= num_speculative_tokens; 0: no drafts, though a drafter model may still run to
+    # keep its cache); a size between two ranges or past the last takes the k of the range below
+    # it. For batch sizes where a verifying step costs more than its accepted drafts save;
+    # ``tools/bench/speculative.py`` measures which. None: always num_speculative_tokens
+    num_speculative_tokens_per_batch_size: list[list[int]] | None
     # this project's, not vLLM's: below this acceptance rate (accepted / proposed, over a window
     # of proposed tokens) speculation costs more than it saves, and the backend warns once
     # (gen_backend_kit.speculation); 0 never warns; default: the measured break-even (0.3)

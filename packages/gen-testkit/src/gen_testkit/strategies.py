@@ -194,6 +194,14 @@ _INVALID_VALUES: dict[str, list[Any]] = {
         {"method": "ngram", "num_speculative_tokens": 0},
         {"method": "draft_model", "num_speculative_tokens": 3},
         {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 1.5},
+        *(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "num_speculative_tokens_per_batch_size": v,
+            }
+            for v in ([], [[2, 8, 3]], [[1, 8, 4]], [[1, 8, 3], [8, 16, 0]], [[1, 8]], [[1, 0, 3]])
+        ),
         {
             "method": "ngram",
             "num_speculative_tokens": 3,

@@ -26,7 +26,11 @@ from gen_backend_kit.decoding import StopRules
 from gen_backend_kit.in_process import InProcessBackend
 from gen_backend_kit.sampling import TokenChoice, row_generators, select_next_tokens
 from gen_backend_kit.scoring import ScoreBatch, ScoredRow, scored_row
-from gen_backend_kit.speculation import DEFAULT_MIN_ACCEPTANCE_RATE, SpeculationCounts
+from gen_backend_kit.speculation import (
+    DEFAULT_MIN_ACCEPTANCE_RATE,
+    SpeculationCounts,
+    draft_tokens_at,
+)
 from gen_backend_kit.stepping import GeneratedRows, RowControl
 from gen_interface import BackendCapabilities, GenerationConfig, GenerationConfigError
 
@@ -123,6 +127,12 @@ class NgramGeneration(InProcessBackend):
     #: The speculative decoder class (the fault suite plants faults in subclasses of it).
     _decoder: ClassVar[type[SpeculativeDecoder]] = SpeculativeDecoder
 
+    def _draft_tokens(self, batch_size: int) -> int:
+        """Draft tokens of a verifying step of ``batch_size`` rows (the batch schedule's)."""
+        section = self.config.get("speculative")
+        assert section, "only a speculating backend drafts"
+        return draft_tokens_at(section, batch_size)
+
     @property
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(
@@ -179,6 +189,7 @@ class NgramGeneration(InProcessBackend):
                             rows,
                             processed=call.sampling.processed,
                             generators=[generators[i] for i in active],
+                            k=self._draft_tokens(len(active)),
                         )
                 except RuntimeError:  # the engine failed these rows
                     for i in active:
@@ -194,7 +205,7 @@ class NgramGeneration(InProcessBackend):
                 emitted = [(list(range(len(active))), choice)]
             else:
                 self._counts.add(
-                    drafts=len(active),
+                    drafts=len(active) if step.proposed else 0,
                     proposed=step.proposed * len(active),
                     accepted=sum(step.accepted),
                 )

@@ -73,13 +73,16 @@ class SpeculativeDecoder:
         *,
         processed: bool,
         generators: Sequence[torch.Generator],
+        k: int | None = None,
     ) -> SpeculativeStep:
-        """Propose, verify and emit for each of the A ``contexts`` (prompt and output so far).
+        """Propose ``k`` drafts (default: the decoder's; 0: a plain step, the target's draw) and
+        verify and emit them for each of the A ``contexts`` (prompt and output so far).
 
         Raises:
             RuntimeError: a forward pass failed (the model's ``failing``).
         """
-        count, k = len(contexts), self.k
+        count = len(contexts)
+        k = self.k if k is None else k
         drafts: list[list[int]] = [[] for _ in range(count)]
         draft_probs: list[list[torch.Tensor]] = [[] for _ in range(count)]
         for _ in range(k):

@@ -18,6 +18,11 @@ The properties, each of which a backend that takes a drafter's word for the targ
   speculation: acceptance draws from the same stream);
 - the ``speculative_*`` metrics add up (``gen_backend_kit.speculation``).
 
+With ``claims_batch_schedule``, ``scheduled_subject`` is the subject built with the batch
+schedule ``one_row_only(k)`` (``num_speculative_tokens_per_batch_size``: drafts at batch size
+1, none above): a call of several rows proposes no draft and a one-row call does, both giving
+the greedy rows of plain decoding.
+
 With ``claims_drafter_refit``, the drafter's weights are a refit group of their own
 (``drafter_weights``: its tensors by the names an update carries them under): a refit of the
 drafter alone changes acceptance and never the target's outputs, reports the drafter's version,
@@ -44,7 +49,14 @@ from gen_testkit.strategies import pad_prompts
 from gen_testkit.suite.base import ConformanceSubject, SuiteBase, property_settings
 from gen_testkit.tolerances import tolerance_for
 
-__all__ = ["SpeculativeProperties"]
+__all__ = ["SpeculativeProperties", "one_row_only"]
+
+
+def one_row_only(k: int) -> list[list[int]]:
+    """The batch schedule of ``scheduled_subject`` for ``num_speculative_tokens`` ``k``: ``k``
+    drafts at batch size 1, none from 2 rows up."""
+    return [[1, 1, k], [2, 1 << 20, 0]]
+
 
 #: Chance that an honest backend fails the distribution check (split over its positions).
 SIGNIFICANCE = 1e-3
@@ -59,6 +71,8 @@ class SpeculativeProperties(SuiteBase):
     distribution_rows: ClassVar[int] = 200
     #: The drafter's weights are a refit group (``drafter_weights``).
     claims_drafter_refit: ClassVar[bool] = False
+    #: The backend honours ``num_speculative_tokens_per_batch_size`` (``scheduled_subject``).
+    claims_batch_schedule: ClassVar[bool] = False
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -76,6 +90,13 @@ class SpeculativeProperties(SuiteBase):
     @classmethod
     def drafter_weights(cls) -> Mapping[str, torch.Tensor] | None:
         """Override with ``claims_drafter_refit``: the drafter's tensors, by update name."""
+        return None
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def scheduled_subject(cls) -> ConformanceSubject | None:
+        """Override with ``claims_batch_schedule``: the subject's model and speculative section
+        with ``num_speculative_tokens_per_batch_size`` ``one_row_only(k)``."""
         return None
 
     def test_the_subject_speculates_and_the_plain_one_does_not(
@@ -201,6 +222,37 @@ class SpeculativeProperties(SuiteBase):
         cleared = backend.get_logger_metrics()
         assert cleared["speculative_drafts_total"] == cleared["speculative_proposed_tokens_total"]
         assert cleared["speculative_proposed_tokens_total"] == 0
+
+    def test_the_batch_schedule_stops_drafts_where_it_gives_none(
+        self,
+        scheduled_subject: ConformanceSubject | None,
+        plain_subject: ConformanceSubject,
+    ):
+        """Several rows in flight: no draft (the schedule's 0); one row: drafts. Each call's
+        rows all run to ``max_new_tokens`` together, so the batch never shrinks within it."""
+        if not self.claims_batch_schedule:
+            pytest.skip("backend does not claim num_speculative_tokens_per_batch_size")
+        assert scheduled_subject is not None
+        section = scheduled_subject.backend.config.get("speculative")
+        assert section, "scheduled_subject must be built with a speculative section"
+        k = section["num_speculative_tokens"]
+        assert section.get("num_speculative_tokens_per_batch_size") == one_row_only(k)
+        settings = {"stop_token_ids": [], "max_new_tokens": 12}
+        backend = scheduled_subject.backend.with_sampling(**settings)
+        plain = plain_subject.backend.with_sampling(**settings)
+        batch = self._fixed_batch(scheduled_subject)
+        for rows, drafting in ((batch, False), (batch.slice(0, 1), True)):
+            backend.clear_logger_metrics()
+            actual = backend.generate(rows, greedy=True)
+            m = scheduled_subject.backend.get_logger_metrics()
+            what = f"{rows.size} row(s) under batch schedule {one_row_only(k)}"
+            if drafting:
+                assert m["speculative_proposed_tokens_total"] > 0, (what, m)
+            else:
+                assert m["speculative_drafts_total"] == 0, (what, m)
+                assert m["speculative_proposed_tokens_total"] == 0, (what, m)
+            expected = plain.generate(rows, greedy=True)
+            self._assert_same(scheduled_subject, expected, actual, f"greedy, {what}")
 
     # ---- the drafter refits in the policy's transaction --------------------------------
 
