@@ -34,9 +34,8 @@ temperature 1 a draft is accepted with the target's probability of that token, f
 speculative sampling's ``sum_v min(p(v), q(v))`` on a target of 1-3 nats; ``"probabilistic"``
 samples drafts from the drafter and verifies them with its probabilities.
 ``--draft-sample-method`` picks one for the engines (``speculative.draft_sample_method``;
-default ``probabilistic``: the bench measures throughput, and vLLM draws those drafts
-unseeded, so a seed does not reproduce a row with it); the bench prints the acceptance the
-models give under both rules (``expected_acceptance``) beside the engine's.
+default ``probabilistic``, gen-vllm's own); the bench prints the acceptance the models give
+under both rules (``expected_acceptance``) beside the engine's.
 
 **Break-even acceptance.** A verifying step proposes K tokens and emits ``L = 1 + K * a`` on
 average (``a``: the acceptance rate, so that ``L`` is vLLM's mean acceptance length). With

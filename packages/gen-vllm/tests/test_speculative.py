@@ -315,7 +315,7 @@ def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
     )
     assert config["speculative"] == draft and "speculative_config" not in config["vllm_kwargs"]
     args = engine_args_for(config, use_gpus=False)
-    assert args["speculative_config"] == draft
+    assert args["speculative_config"] == {**draft, "draft_sample_method": "probabilistic"}
     assert args["per_request_spec_decode_metrics"] == "summary"
     assert "speculative_config" not in engine_args_for(
         VllmGeneration.complete_config(_config(tiny_llama)), use_gpus=False
@@ -402,6 +402,39 @@ def test_the_plain_engine_reports_no_drafter_and_refuses_drafter_tensors(plain, 
 from gen_testkit.suite.speculative import SpeculativeProperties, one_row_only  # noqa: E402
 
 
+class TestVllmGreedyDrafts(SpeculativeProperties):
+    """The same drafter proposing its argmax (``draft_sample_method: greedy``, vLLM's default;
+    this backend's is ``probabilistic``, whose seeded repeat holds by ``seeded_drafts``)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, build, tiny_llama, drafter):
+        from gen_testkit.suite.base import ConformanceSubject
+
+        speculative = {
+            "method": "draft_model",
+            "model": str(drafter),
+            "num_speculative_tokens": K,
+            "draft_sample_method": "greedy",
+        }
+        backend = build(_config(tiny_llama, speculative=speculative))
+        return ConformanceSubject.for_model(backend, tiny_llama)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def plain_subject(cls, plain, tiny_llama):
+        from gen_testkit.suite.base import ConformanceSubject
+
+        return ConformanceSubject.for_model(plain, tiny_llama)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def logits_oracle(cls, tiny_llama):
+        from gen_testkit.parity.oracle import HfLogitsOracle
+
+        return HfLogitsOracle(str(tiny_llama.path))
+
+
 class TestVllmSpeculativeConformance(SpeculativeProperties):
     """``tiny-llama`` drafted by its own first layer, against the target alone."""
 
@@ -451,14 +484,15 @@ class TestVllmSpeculativeConformance(SpeculativeProperties):
 
 def test_the_acceptance_floor_is_this_project_s_and_never_reaches_vllm(tiny_llama, drafter):
     from gen_vllm import VllmGeneration
-    from gen_vllm.engine_args import engine_args_for
+    from gen_vllm.engine_args import DEFAULT_DRAFT_SAMPLE_METHOD, engine_args_for
 
     draft = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
     config = VllmGeneration.complete_config(
         _config(tiny_llama, speculative={**draft, "min_acceptance_rate": 0.4})
     )
     assert config["speculative"]["min_acceptance_rate"] == 0.4
-    assert engine_args_for(config, use_gpus=False)["speculative_config"] == draft
+    sent = engine_args_for(config, use_gpus=False)["speculative_config"]
+    assert sent == {**draft, "draft_sample_method": DEFAULT_DRAFT_SAMPLE_METHOD}
     with pytest.raises(GenerationConfigError, match="min_acceptance_rate must be a number in"):
         VllmGeneration.complete_config(
             _config(tiny_llama, speculative={**draft, "min_acceptance_rate": 1.5})

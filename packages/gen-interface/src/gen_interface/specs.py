@@ -79,8 +79,8 @@ class SpeculativeConfig(TypedDict, total=False):
     # how a drafter model proposes for sampled rows: "greedy" (vLLM's default) its argmax,
     # verified as certain (accepted with the target's probability of it: seldom at temperature
     # 1); "probabilistic" draws from its distribution and verifies with the ratio test (accepted
-    # as often as drafter and target agree). Both are lossless; see the backend's README for
-    # what a seed means with each
+    # as often as drafter and target agree). Both are lossless and a seed reproduces a row
+    # under either; unset: the backend's default (its README says which)
     draft_sample_method: DraftSampleMethod
     # vLLM's dynamic speculation: ``[[first, last, k], ...]``, inclusive ranges of batch size
     # (the rows an engine step holds) from 1 up, each with the draft tokens proposed at that size

@@ -31,6 +31,7 @@ from gen_vllm.cpu_kernels import fix_speculative_sampling
 from gen_vllm.drafter import is_drafter_weight
 from gen_vllm.extension import UpdatableVllmInternalWorker
 from gen_vllm.receive import receive_load, whole_tensors
+from gen_vllm.seeded_drafts import seed_draft_sampling
 from gen_vllm.staging import EngineLoads
 
 __all__ = ["ENGINE_NAME", "GenWeightTransferEngine", "UpdatableVllmInternalWorker"]
@@ -76,8 +77,10 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # the worker builds this engine after its platform registered the kernel stand-ins:
-        # correct vLLM-CPU's rejection sampler, which speculative sampling needs (cpu_kernels)
+        # correct vLLM-CPU's rejection sampler, which speculative sampling needs (cpu_kernels),
+        # and draw seeded rows' probabilistic drafts from their own generators (seeded_drafts)
         fix_speculative_sampling()
+        seed_draft_sampling()
         self.received: list[int] = []
         self.adapter: dict[str, torch.Tensor] = {}
         self.drafter: dict[str, torch.Tensor] = {}
