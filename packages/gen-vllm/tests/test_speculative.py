@@ -402,23 +402,17 @@ def test_the_plain_engine_reports_no_drafter_and_refuses_drafter_tensors(plain, 
 from gen_testkit.suite.speculative import SpeculativeProperties, one_row_only  # noqa: E402
 
 
-class TestVllmGreedyDrafts(SpeculativeProperties):
-    """The same drafter proposing its argmax (``draft_sample_method: greedy``, vLLM's default;
-    this backend's is ``probabilistic``, whose seeded repeat holds by ``seeded_drafts``)."""
+def _drafted_subject(build, tiny_llama, drafter, **settings):
+    """A subject on ``tiny-llama`` drafted by ``drafter``, ``settings`` added to its section."""
+    from gen_testkit.suite.base import ConformanceSubject
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def subject(cls, build, tiny_llama, drafter):
-        from gen_testkit.suite.base import ConformanceSubject
+    speculative = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
+    backend = build(_config(tiny_llama, speculative={**speculative, **settings}))
+    return ConformanceSubject.for_model(backend, tiny_llama)
 
-        speculative = {
-            "method": "draft_model",
-            "model": str(drafter),
-            "num_speculative_tokens": K,
-            "draft_sample_method": "greedy",
-        }
-        backend = build(_config(tiny_llama, speculative=speculative))
-        return ConformanceSubject.for_model(backend, tiny_llama)
+
+class _OnTinyLlama(SpeculativeProperties):
+    """The plain target and its logits: what every class below compares with."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -435,7 +429,17 @@ class TestVllmGreedyDrafts(SpeculativeProperties):
         return HfLogitsOracle(str(tiny_llama.path))
 
 
-class TestVllmSpeculativeConformance(SpeculativeProperties):
+class TestVllmGreedyDrafts(_OnTinyLlama):
+    """The same drafter proposing its argmax (``draft_sample_method: greedy``, vLLM's default;
+    this backend's is ``probabilistic``, whose seeded repeat holds by ``seeded_drafts``)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, build, tiny_llama, drafter):
+        return _drafted_subject(build, tiny_llama, drafter, draft_sample_method="greedy")
+
+
+class TestVllmSpeculativeConformance(_OnTinyLlama):
     """``tiny-llama`` drafted by its own first layer, against the target alone."""
 
     claims_drafter_refit = True
@@ -444,16 +448,10 @@ class TestVllmSpeculativeConformance(SpeculativeProperties):
     @pytest.fixture(scope="class")
     @classmethod
     def scheduled_subject(cls, build, tiny_llama, drafter):
-        from gen_testkit.suite.base import ConformanceSubject
-
-        speculative = {
-            "method": "draft_model",
-            "model": str(drafter),
-            "num_speculative_tokens": K,
-            "num_speculative_tokens_per_batch_size": one_row_only(K),
-        }
-        backend = build(_config(tiny_llama, speculative=speculative))
-        return ConformanceSubject.for_model(backend, tiny_llama)
+        schedule = one_row_only(K)
+        return _drafted_subject(
+            build, tiny_llama, drafter, num_speculative_tokens_per_batch_size=schedule
+        )
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -466,20 +464,6 @@ class TestVllmSpeculativeConformance(SpeculativeProperties):
         from gen_testkit.suite.base import ConformanceSubject
 
         return ConformanceSubject.for_model(drafted, tiny_llama)
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def plain_subject(cls, plain, tiny_llama):
-        from gen_testkit.suite.base import ConformanceSubject
-
-        return ConformanceSubject.for_model(plain, tiny_llama)
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def logits_oracle(cls, tiny_llama):
-        from gen_testkit.parity.oracle import HfLogitsOracle
-
-        return HfLogitsOracle(str(tiny_llama.path))
 
 
 def test_the_acceptance_floor_is_this_project_s_and_never_reaches_vllm(tiny_llama, drafter):
