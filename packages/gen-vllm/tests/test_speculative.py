@@ -399,6 +399,7 @@ def test_the_plain_engine_reports_no_drafter_and_refuses_drafter_tensors(plain, 
 
 # ---- the testkit's speculative properties ------------------------------------------------------
 
+from gen_testkit.suite.in_flight import InFlightUpdateChecks  # noqa: E402
 from gen_testkit.suite.speculative import SpeculativeProperties, one_row_only  # noqa: E402
 
 
@@ -457,6 +458,18 @@ class TestVllmSpeculativeConformance(_OnTinyLlama):
     @classmethod
     def drafter_weights(cls, drafter):
         return _checkpoint(drafter, "drafter.")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def subject(cls, drafted, tiny_llama):
+        from gen_testkit.suite.base import ConformanceSubject
+
+        return ConformanceSubject.for_model(drafted, tiny_llama)
+
+
+class TestVllmSpeculativeInFlightUpdates(InFlightUpdateChecks):
+    """Weight updates midway through speculating rows: every token's version says which
+    weights verified it, as without speculation."""
 
     @pytest.fixture(scope="class")
     @classmethod
