@@ -39,27 +39,29 @@ def test_a_verifying_step_dearer_than_k_plus_one_plain_steps_never_pays():
 
 
 @pytest.mark.parametrize(
-    ("with_drafts", "without", "expected"),
+    ("ratios", "expected"),
     [
-        ({1: 1.5, 16: 1.1, 64: 0.96}, {1: 0.9, 16: 0.95, 64: 0.98}, [[1, 63, 3], [64, END, 0]]),
-        ({1: 0.8, 16: 1.1, 64: 0.9}, {1: 0.9, 16: 0.95, 64: 0.7}, [[1, 15, 0], [16, END, 3]]),
-        ({1: 1.5, 16: 1.1, 64: 0.96}, {1: 0.9, 16: 0.95, 64: 0.75}, None),
+        ({3: {1: 1.5, 16: 1.1, 64: 0.96}, 0: {64: 0.98}}, [[1, 63, 3], [64, END, 0]]),
+        (
+            {3: {1: 1.5, 16: 0.9, 64: 0.8}, 1: {16: 1.05, 64: 1.01}, 0: {16: 0.8, 64: 0.9}},
+            [[1, 15, 3], [16, END, 1]],
+        ),
+        ({3: {1: 0.8, 16: 1.1, 64: 0.9}, 0: {1: 0.9, 64: 0.7}}, [[1, 15, 0], [16, END, 3]]),
+        ({3: {1: 1.5, 16: 1.1, 64: 0.96}, 0: {64: 0.75}}, None),
     ],
 )
-def test_the_schedule_drafts_at_each_batch_size_where_drafting_was_faster(
-    with_drafts, without, expected
-):
+def test_the_schedule_proposes_at_each_batch_size_the_drafts_that_were_fastest(ratios, expected):
     from gen_backend_kit.speculation import draft_tokens_at
 
-    schedule = bench.batch_schedule(with_drafts, without, 3)
+    schedule = bench.batch_schedule(ratios, 3)
     assert schedule == expected
     section = {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": schedule}
     if schedule is not None:  # a schedule the config takes
         _ngram(speculative={**section, "method": "draft_model", "model": "ngram"}).shutdown()
-    for size in with_drafts:
-        faster = 3 if with_drafts[size] >= without[size] else 0
-        assert draft_tokens_at(section, size) == faster
-        assert draft_tokens_at(section, size + 1) == faster  # up to the next measured size
+    for size in ratios[3]:
+        fastest = max((j for j in ratios if size in ratios[j]), key=lambda j: ratios[j][size])
+        assert draft_tokens_at(section, size) == fastest
+        assert draft_tokens_at(section, size + 1) == fastest  # up to the next measured size
 
 
 def test_the_task_chain_follows_its_table_with_bounded_entropy():

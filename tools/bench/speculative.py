@@ -45,11 +45,12 @@ rejection sampling, and the rows that wait on the slowest of their batch. Specul
 when ``1 + K * a > c``, so the break-even acceptance is ``a* = (c - 1) / K``; above 1 it never
 pays at that batch size. (``c`` is taken at the acceptance measured; it barely depends on it.)
 
-**Batch schedule.** Where speculation lost at some batch size (ratio below 1), the bench times
-the same engine with ``num_speculative_tokens_per_batch_size`` 0 at every size against ``plain``,
-as above: no drafts, but vLLM still runs the drafter's forward over each step's tokens (to keep
-its KV cache for when drafting resumes), so that is not free. ``batch_schedule`` then gives the
-schedule these figures call for: each size K drafts or none, whichever was faster.
+**Batch schedule.** Where speculation lost at some batch size (ratio below 1), the bench times,
+at those sizes, the same engine proposing fewer drafts, K - 1 down to 0, through
+``num_speculative_tokens_per_batch_size`` (``[[1, 1048576, j]]``) against ``plain``, as above. At
+0 there are no drafts, but vLLM still runs the drafter's forward over each step's tokens (to
+keep its KV cache for when drafting resumes), so that is not free. ``batch_schedule`` then gives
+the schedule these figures call for: each size the number of drafts that was fastest there.
 ``--speed-only`` stops here, before the RL phase.
 
 **RL.** ``--rl-steps`` steps in which the target moves: each step the plain engine samples
@@ -162,18 +163,16 @@ def break_even_acceptance(step_cost: float, k: int) -> float:
     return (step_cost - 1) / k
 
 
-def batch_schedule(
-    with_drafts: dict[int, float], without: dict[int, float], k: int
-) -> list[list[int]] | None:
-    """``num_speculative_tokens_per_batch_size`` from measured speed-ups over plain decoding
-    (batch size -> ratio) of an engine proposing ``k`` drafts (``with_drafts``) and of the same
-    engine with its schedule at 0 everywhere (``without``: the drafter still runs a forward a
-    step): each measured size takes whichever was faster there, and a size between two measured
-    ones takes the smaller one's (vLLM carries a range's k forward); None when ``k`` won at every
-    size (no schedule needed)."""
+def batch_schedule(ratios: dict[int, dict[int, float]], k: int) -> list[list[int]] | None:
+    """``num_speculative_tokens_per_batch_size`` from measured speed-ups over plain decoding:
+    ``ratios[j][size]`` for an engine proposing ``j`` drafts at every batch size (``ratios[k]``
+    at every size measured; fewer drafts where ``k`` lost; ``j`` 0: no drafts, though the drafter
+    still runs a forward a step). Each measured size takes the ``j`` that was fastest there, and
+    a size between two measured ones takes the smaller one's (vLLM carries a range's k forward);
+    None when ``k`` won at every size (no schedule needed)."""
     ranges: list[list[int]] = []
-    for size in sorted(with_drafts):
-        tokens = k if with_drafts[size] >= without.get(size, 0.0) else 0
+    for size in sorted(ratios[k]):
+        tokens = max((j for j in ratios if size in ratios[j]), key=lambda j: ratios[j][size])
         if ranges and ranges[-1][2] == tokens:
             continue
         if ranges:
@@ -402,11 +401,19 @@ _SPEED_HEADER = (
 
 
 def measure_speed(
-    plain: Engine, spec: Engine, prepared: Prepared, args: argparse.Namespace
+    plain: Engine,
+    spec: Engine,
+    prepared: Prepared,
+    args: argparse.Namespace,
+    sizes: list[int] | None = None,
+    k: int | None = None,
 ) -> list[SpeedFigure]:
+    """``--pairs`` interleaved pairs of ``plain`` and ``spec`` at each batch size (``sizes``,
+    default ``--batches``), a table row each; ``k``: the drafts ``spec`` proposes (``--k``)."""
     print(_SPEED_HEADER, flush=True)
     figures = []
-    for size in [int(b) for b in args.batches.split(",")]:
+    k = args.k if k is None else k
+    for size in sizes or [int(b) for b in args.batches.split(",")]:
         batch = prompts(prepared, size, seed=100 + size)
         figure = SpeedFigure(size, tokens=size * args.new)
         plain.run(batch, args.greedy)  # warm-up, each side
@@ -423,7 +430,7 @@ def measure_speed(
                     figure.mean_accepted_length.append(
                         float(metrics["speculative_mean_accepted_length"])
                     )
-        s = figure.summary(args.k)
+        s = figure.summary(k)
         print(
             f"| {size} | {s['plain_tokens_s']:.0f} | {s['spec_tokens_s']:.0f} | {s['ratio']:.3f} "
             f"({s['ratio_min']:.2f}-{s['ratio_max']:.2f}) | {s['acceptance']:.3f} "
@@ -584,25 +591,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ) from exc
         result["speed"] = [{**asdict(f), **f.summary(args.k)} for f in speed]
         lost = [r["batch"] for r in result["speed"] if r["ratio"] < 1.0]
-        if lost:
+        ratios = {args.k: {r["batch"]: r["ratio"] for r in result["speed"]}}
+        for fewer in range(args.k - 1, -1, -1) if lost else ():
+            schedule = [[1, SCHEDULE_END, fewer]]
             print(
-                f"\nspeculation lost at batch size(s) {lost}: the same engine again with its "
-                f"batch schedule at 0 everywhere (num_speculative_tokens_per_batch_size "
-                f"{[[1, SCHEDULE_END, 0]]}: no drafts, the drafter's forward still runs)",
+                f"\nspeculation lost at batch size(s) {lost}: there, the same engine with "
+                f"{fewer} draft(s) a step (num_speculative_tokens_per_batch_size {schedule}"
+                f"{'; the drafter still runs its forward' if fewer == 0 else ''})",
                 flush=True,
             )
-            off = {**speculative, "num_speculative_tokens_per_batch_size": [[1, SCHEDULE_END, 0]]}
-            engines["off"] = Engine("off", str(prepared.target), args.new, off)
-            drafts_off = measure_speed(engines["plain"], engines["off"], prepared, args)
-            engines.pop("off").close()
-            result["drafts_off_speed"] = [{**asdict(f), **f.summary(args.k)} for f in drafts_off]
-            ratios = {r["batch"]: r["ratio"] for r in result["speed"]}
-            ratios_off = {r["batch"]: r["ratio"] for r in result["drafts_off_speed"]}
-            result["schedule"] = batch_schedule(ratios, ratios_off, args.k)
+            name = f"k{fewer}"
+            settings = {**speculative, "num_speculative_tokens_per_batch_size": schedule}
+            engines[name] = Engine(name, str(prepared.target), args.new, settings)
+            figures = measure_speed(engines["plain"], engines[name], prepared, args, lost, fewer)
+            engines.pop(name).close()
+            result[f"speed_{fewer}_drafts"] = [{**asdict(f), **f.summary(fewer)} for f in figures]
+            ratios[fewer] = {f.batch: f.summary(fewer)["ratio"] for f in figures}
+        if lost:
+            result["schedule"] = batch_schedule(ratios, args.k)
+            best = {b: max(r[b] for r in ratios.values() if b in r) for b in ratios[args.k]}
             print(
                 f"the batch schedule these figures give: {result['schedule']} (None: always "
-                f"{args.k} drafts); expected ratio per batch size: "
-                + ", ".join(f"{b} {max(ratios[b], ratios_off[b]):.3f}" for b in sorted(ratios)),
+                f"{args.k} drafts); its ratio per batch size: "
+                + ", ".join(f"{b} {best[b]:.3f}" for b in sorted(best)),
                 flush=True,
             )
         if not args.speed_only:
