@@ -38,6 +38,14 @@ def test_a_verifying_step_dearer_than_k_plus_one_plain_steps_never_pays():
     assert bench.break_even_acceptance(bench.verify_step_cost(0.9, 1.0, 3), 3) > 1
 
 
+def test_a_step_without_drafts_has_a_cost_and_no_break_even():
+    figure = bench.SpeedFigure(64, 64 * 48, [1.0, 1.2], [1.25, 1.5], [0.0, 0.0], [0.0, 0.0])
+    summary = figure.summary(0)
+    assert summary["ratio"] == pytest.approx(0.8)
+    assert summary["verify_step_cost"] == pytest.approx(1.25)
+    assert math.isnan(summary["break_even_acceptance"])
+
+
 @pytest.mark.parametrize(
     ("ratios", "expected"),
     [

@@ -50,8 +50,9 @@ at those sizes, the same engine proposing fewer drafts, K - 1 down to 0, through
 ``num_speculative_tokens_per_batch_size`` (``[[1, 1048576, j]]``) against ``plain``, as above. At
 0 there are no drafts, but vLLM still runs the drafter's forward over each step's tokens (to
 keep its KV cache for when drafting resumes), so that is not free. ``batch_schedule`` then gives
-the schedule these figures call for: each size the number of drafts that was fastest there.
-``--speed-only`` stops here, before the RL phase.
+the schedule these figures call for: each size the number of drafts that was fastest there;
+an engine built with it is then timed at every batch size. ``--speed-only`` stops here, before
+the RL phase.
 
 **RL.** ``--rl-steps`` steps in which the target moves: each step the plain engine samples
 ``--rl-batch`` rows, the target takes one REINFORCE step on them (reward: the share of a row's
@@ -79,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -159,8 +161,8 @@ def verify_step_cost(speed_up: float, acceptance: float, k: int) -> float:
 
 def break_even_acceptance(step_cost: float, k: int) -> float:
     """The acceptance rate at which speculation with ``k`` drafts neither gains nor loses:
-    ``(step_cost - 1) / k`` (above 1: it never pays)."""
-    return (step_cost - 1) / k
+    ``(step_cost - 1) / k`` (above 1: it never pays; NaN for ``k`` 0: no drafts to accept)."""
+    return (step_cost - 1) / k if k else math.nan
 
 
 def batch_schedule(ratios: dict[int, dict[int, float]], k: int) -> list[list[int]] | None:
@@ -616,6 +618,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 + ", ".join(f"{b} {best[b]:.3f}" for b in sorted(best)),
                 flush=True,
             )
+        if result.get("schedule"):
+            print("\nthat schedule, timed at every batch size", flush=True)
+            settings = {**speculative, "num_speculative_tokens_per_batch_size": result["schedule"]}
+            engines["scheduled"] = Engine("scheduled", str(prepared.target), args.new, settings)
+            figures = measure_speed(engines["plain"], engines["scheduled"], prepared, args)
+            engines.pop("scheduled").close()
+            result["scheduled_speed"] = [{**asdict(f), **f.summary(args.k)} for f in figures]
         if not args.speed_only:
             rl_part(engines, prepared, args, speculative, result)
     finally:
