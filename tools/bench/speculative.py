@@ -607,8 +607,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[name] = Engine(name, str(prepared.target), args.new, settings)
             figures = measure_speed(engines["plain"], engines[name], prepared, args, lost, fewer)
             engines.pop(name).close()
-            result[f"speed_{fewer}_drafts"] = [{**asdict(f), **f.summary(fewer)} for f in figures]
-            ratios[fewer] = {f.batch: f.summary(fewer)["ratio"] for f in figures}
+            rows = [{**asdict(f), **f.summary(fewer)} for f in figures]
+            result[f"speed_{fewer}_drafts"] = rows
+            ratios[fewer] = {r["batch"]: r["ratio"] for r in rows}
         if lost:
             result["schedule"] = batch_schedule(ratios, args.k)
             best = {b: max(r[b] for r in ratios.values() if b in r) for b in ratios[args.k]}

@@ -85,10 +85,14 @@ def plain(build, tiny_llama):
     return build(_config(tiny_llama))
 
 
+def _drafting(drafter, **settings):
+    """The ``speculative`` section of ``drafter`` proposing K tokens, ``settings`` added."""
+    return {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K, **settings}
+
+
 @pytest.fixture(scope="module")
 def drafted(build, tiny_llama, drafter):
-    speculative = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
-    return build(_config(tiny_llama, speculative=speculative))
+    return build(_config(tiny_llama, speculative=_drafting(drafter)))
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +287,7 @@ def test_min_p_is_refused_under_speculation(drafted, monkeypatch):
 def test_settings_speculation_cannot_honour_are_refused_by_name(tiny_llama, drafter):
     from gen_vllm import VllmGeneration
 
-    draft = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
+    draft = _drafting(drafter)
     complete = VllmGeneration.complete_config
     with pytest.raises(GenerationConfigError, match="return_routed_experts with speculative"):
         complete(_config(tiny_llama, speculative=draft, return_routed_experts=True))
@@ -309,7 +313,7 @@ def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
     from gen_vllm import VllmGeneration
     from gen_vllm.engine_args import engine_args_for
 
-    draft = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
+    draft = _drafting(drafter)
     config = VllmGeneration.complete_config(
         _config(tiny_llama, vllm_kwargs={"speculative_config": draft})
     )
@@ -407,8 +411,7 @@ def _drafted_subject(build, tiny_llama, drafter, **settings):
     """A subject on ``tiny-llama`` drafted by ``drafter``, ``settings`` added to its section."""
     from gen_testkit.suite.base import ConformanceSubject
 
-    speculative = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
-    backend = build(_config(tiny_llama, speculative={**speculative, **settings}))
+    backend = build(_config(tiny_llama, speculative=_drafting(drafter, **settings)))
     return ConformanceSubject.for_model(backend, tiny_llama)
 
 
@@ -483,7 +486,7 @@ def test_the_acceptance_floor_is_this_project_s_and_never_reaches_vllm(tiny_llam
     from gen_vllm import VllmGeneration
     from gen_vllm.engine_args import DEFAULT_DRAFT_SAMPLE_METHOD, engine_args_for
 
-    draft = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": K}
+    draft = _drafting(drafter)
     config = VllmGeneration.complete_config(
         _config(tiny_llama, speculative={**draft, "min_acceptance_rate": 0.4})
     )

@@ -25,15 +25,12 @@ import torch
 
 __all__ = ["seed_draft_sampling", "seeded_sample"]
 
-#: vLLM's threshold below which a temperature means greedy (``sampler._SAMPLING_EPS``).
-_SAMPLING_EPS = 1e-5
-
 
 def seeded_sample(
     logits: torch.Tensor, sampling_metadata: Any, use_fp64_gumbel: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's ``compute_probs_and_sample_next_token`` with seeded rows' noise from their own
-    generators.
+    generators (vLLM's ``random_sample`` draws it).
 
     Args:
         logits: ``[R, V]`` the drafter's logits, one row per request (changed in place, as
@@ -43,13 +40,12 @@ def seeded_sample(
 
     Returns:
         ``([R] draft token ids, [R, V] draft probabilities)``; greedy rows (temperature below
-        1e-5) take their argmax. An all-greedy batch returns the logits as its "probabilities",
-        as vLLM's does (the rejection sampler does not read them for greedy rows).
+        vLLM's ``_SAMPLING_EPS``) take their argmax. An all-greedy batch returns the logits as
+        its "probabilities", as vLLM's does (the rejection sampler does not read them for greedy
+        rows).
     """
-    from vllm.v1.sample.ops.topk_topp_sampler import (
-        empty_exponential_noise_like,
-        sample_with_exponential_noise,
-    )
+    from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
 
     if sampling_metadata.all_greedy:
         return logits.argmax(dim=-1), logits
@@ -59,13 +55,9 @@ def seeded_sample(
         temperature = torch.where(is_greedy, 1.0, temperature)
     logits.div_(temperature.view(-1, 1))
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    noise = empty_exponential_noise_like(probs, use_fp64_gumbel)
+    # random_sample divides its argument by the noise in place: the probabilities stay whole
     generators: dict[int, torch.Generator] = sampling_metadata.generators or {}
-    if len(generators) != probs.shape[0]:
-        noise.exponential_()
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    tokens = sample_with_exponential_noise(probs.clone(), noise)
+    tokens = random_sample(probs.clone(), generators, use_fp64_gumbel)
     if not sampling_metadata.all_random:
         tokens = torch.where(is_greedy, probs.argmax(dim=-1), tokens)
     return tokens, probs
