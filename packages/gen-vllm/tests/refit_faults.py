@@ -1,4 +1,5 @@
-"""A replica lost in the middle of a refit, for the healing tests on fake and real engines."""
+"""A replica lost in the middle of a refit, and the new weights of a refit, for the healing tests
+on fake and real engines."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import signal
 import time
 
+import torch
 from gen_backend_kit.fleet_health import ReplicaState
 from processes import wait_dead
 
@@ -39,3 +41,52 @@ class KillBeforeCommit:
             assert time.monotonic() < deadline, f"replica {replica}'s replacement did not start"
             time.sleep(0.05)
         return backend.commit_weight_update()
+
+
+def perturbed_weights(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """New weights for a refit: every tensor of ``state_dict`` moved by a fifth of its spread,
+    the same for the same ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: t + 0.2 * t.float().std() * torch.randn(t.shape, generator=generator)
+        for name, t in state_dict.items()
+    }
+
+
+class KillDuringLoad:
+    """``fleet``'s next replacement that loads a peer's copy of the committed weights has its
+    worker SIGKILLed in that load: its weight update open (``start_weight_update`` answered),
+    no bucket loaded yet. Later loads run untouched.
+
+    Attributes:
+        killed: the pid of the worker it killed (None until then).
+    """
+
+    def __init__(self, fleet):
+        self.killed: int | None = None
+        load = fleet._load
+
+        def killing_load(actor, handles, version):
+            if self.killed is not None:
+                return load(actor, handles, version)
+            return load(_KilledAfterStart(actor, self), handles, version)
+
+        fleet._load = killing_load
+
+
+class _KilledAfterStart:
+    """An actor handle whose ``load_weights`` first SIGKILLs the actor's process."""
+
+    def __init__(self, actor, killer: KillDuringLoad):
+        self._actor = actor
+        self._killer = killer
+
+    def __getattr__(self, name: str):
+        if name == "load_weights":
+            import ray
+
+            pid = ray.get(self._actor.info.remote(), timeout=60)["pid"]
+            os.kill(pid, signal.SIGKILL)
+            assert wait_dead(pid), "a replacement's worker outlived SIGKILL"
+            self._killer.killed = pid
+        return getattr(self._actor, name)

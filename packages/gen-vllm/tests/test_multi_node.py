@@ -19,28 +19,21 @@ node id each worker actor reports from inside its own process. The tests show th
 
 - more entries than nodes that can hold them are refused, not packed onto one node.
 
-The simulated cluster runs in a subprocess (this file, run as a script), once for the module.
-The pytest process already holds a Ray connection of its own (the ``ray_session`` fixture), and
-a process can hold only one. The subprocess gets its own Ray temp directory, so the address file
-the cluster writes cannot lead another ``ray.init()`` on this machine into the simulated cluster.
+The simulated cluster runs in a subprocess (this file, run as a script; ``simulated_cluster``),
+once for the module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 from processes import running
+from simulated_cluster import run_scenario_script, ship_fake_engine
 
 
 class Layout(NamedTuple):
@@ -170,17 +163,13 @@ def _entry_nodes(report: dict[str, Any], layout: Layout) -> list[str]:
 
 
 def _run_scenario(model_dir: Path, work: Path) -> dict[str, Any]:
-    """Run this file as a script in a process group of its own; its JSON report.
-
-    A second try only when a node missed Ray's fixed 30 s start-up deadline, which a busy
-    machine can make it miss; any other failure fails the test.
-    """
+    """Run this file as a script on a simulated cluster of its own; its JSON report."""
     started = time.monotonic()
-    for attempt in (1, 2):
-        returncode, log = _run_script(model_dir, work)
-        if returncode == 0 or attempt == 2 or _NODE_START_TIMEOUT not in log:
-            break
-        print(f"multi-node scenario: a node timed out during start-up; trying again\n{log[-3000:]}")
+    returncode, log = run_scenario_script(
+        __file__,
+        [str(model_dir), str(work / "events"), str(work / "report.json")],
+        SCENARIO_TIMEOUT_S,
+    )
     assert returncode == 0, f"multi-node scenario failed:\n{log[-6000:]}"
     seen = json.loads((work / "report.json").read_text())
     seconds = {name: round(layout["seconds"], 1) for name, layout in seen["layouts"].items()}
@@ -189,42 +178,6 @@ def _run_scenario(model_dir: Path, work: Path) -> dict[str, Any]:
         f"{seen['start_s']:.1f} s, shutdown {seen['shutdown_s']:.1f} s, layouts {seconds})"
     )
     return seen
-
-
-#: What ``ray._private.node.Node`` raises when a node does not register within 30 s.
-_NODE_START_TIMEOUT = "The current node timed out during startup"
-
-
-def _run_script(model_dir: Path, work: Path) -> tuple[int, str]:
-    """One run of the scenario script; its exit status and output. Kills its whole process
-    group (the script, its raylets and workers) if it runs past ``SCENARIO_TIMEOUT_S``."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rmn", dir="/tmp"))  # short: Unix socket paths
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(
-        RAY_TMPDIR=str(ray_tmp),
-        RAY_ENABLE_UV_RUN_RUNTIME_ENV="0",
-        # Idle workers prestarted per logical CPU only cost time on a small machine.
-        RAY_enable_worker_prestart="0",
-        RAY_prestart_worker_first_driver="0",
-    )
-    process = subprocess.Popen(
-        [sys.executable, __file__, str(model_dir), str(work / "events"), str(work / "report.json")],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = process.communicate(timeout=SCENARIO_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # Ray's processes share the script's group
-        log, _ = process.communicate()
-        pytest.fail(f"multi-node scenario ran past {SCENARIO_TIMEOUT_S} s:\n{log[-6000:]}")
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return process.returncode, log
 
 
 def _reference(model_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -424,9 +377,6 @@ def _rank_place(
 
 
 if __name__ == "__main__":
-    import fake_vllm_engine
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(fake_vllm_engine)  # workers cannot import tests/
+    ship_fake_engine()
     model_dir, log_dir, out = sys.argv[1:4]
     Path(out).write_text(json.dumps(_scenario(model_dir, log_dir)))

@@ -13,11 +13,13 @@ gen-vllm does at each transition:
   already holds them; after that, a serving peer's readable copy of the committed weights
   (``vllm_cfg.weight_deltas``, ``staging.py``) is put in shared-memory buckets with their
   checksums and loaded through the same transaction as a refit (each tensor verified on
-  arrival). It is admitted (``serving``, at the fleet's version) only when its weight report
-  equals a serving replica's (``refit.weights_differ``), while no update is open; an update
-  that committed meanwhile makes it load again. A replacement that fails to start, load or
-  verify is killed and the slot is dead again (another replacement follows while restarts
-  are left).
+  arrival). A replacement on another node than the peer (Ray placed it elsewhere: its node was
+  lost) gets the buckets relayed first, one at a time through Ray's object store, into shared
+  memory of its own node (``gen_backend_kit.weights.relay``), checksums unchanged. It is
+  admitted (``serving``, at the fleet's version) only when its weight report equals a serving
+  replica's (``refit.weights_differ``), while no update is open; an update that committed
+  meanwhile makes it load again. A replacement that fails to start, load or verify is killed
+  and the slot is dead again (another replacement follows while restarts are left).
 - **Updates** pin the members they started on (``pin`` / ``unpin``); a replacement waits for
   the update to end, then loads its result.
 
@@ -89,6 +91,7 @@ class Fleet:
         self.version = 0  # the fleet's committed weight version
         self.faults = 0  # replicas lost
         self.heal_seconds: list[float] = []  # from each loss to its replacement's admission
+        self.copies_relayed = 0  # peers' copies relayed to a replacement on another node
         self._loop = loop
         self._deadline_s = refit_deadline_s
         self._prepare = prepare
@@ -249,7 +252,7 @@ class Fleet:
                 peer, handles = cast(tuple[int, dict[str, Any]], shared)
                 source = f"replica {peer}'s copy of version {version}"
                 try:
-                    report = self._load(actor, handles, version)
+                    report = self._load_from(peer, actor, info, handles, version)
                 finally:
                     self.replicas.actors[peer].release_committed_weights.remote()
             with self._lock:
@@ -303,6 +306,27 @@ class Fleet:
             if shared is not None:
                 self.replicas.actors[peer].release_committed_weights.remote()
         return _NO_COPY
+
+    def _load_from(
+        self, peer: int, actor: Any, info: WorkerInfo, handles: dict[str, Any], version: int
+    ) -> list[UpdateReport]:
+        """Load ``peer``'s shared copy into the new ``actor``: read in place when both run on
+        one node; else relayed first to the actor's node (``relay_shared_weights``: Ray's
+        object store, a bucket at a time, every checksum kept), and those segments removed
+        after the load, whatever its outcome."""
+        peer_node = self.replicas.infos[peer].get("node_id", "")
+        if peer_node == info.get("node_id", ""):
+            return self._load(actor, handles, version)
+        relayed = self._get(
+            actor.relay_shared_weights.remote(self.replicas.actors[peer], handles),
+            "relaying a peer's weights to another node",
+            self._deadline_s,
+        )
+        self.copies_relayed += 1
+        try:
+            return self._load(actor, relayed, version)
+        finally:
+            actor.release_relayed_weights.remote(relayed)
 
     def _load(self, actor: Any, handles: dict[str, Any], version: int) -> list[UpdateReport]:
         """Run a whole refit from ``handles`` on the new actor alone; its ranks' reports."""
@@ -365,6 +389,7 @@ class Fleet:
             "fleet_rows_lost_total": router.rows_lost if router is not None else 0,
             "fleet_heal_seconds_last": heal[-1] if heal else 0.0,
             "fleet_heal_seconds_max": max(heal) if heal else 0.0,
+            "fleet_copies_relayed_total": self.copies_relayed,
         }
 
     def settled(self) -> bool:

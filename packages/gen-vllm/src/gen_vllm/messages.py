@@ -188,6 +188,7 @@ class WorkerInfo(TypedDict):
 
     pid: int
     host: str
+    node_id: str  # the Ray node its process runs on (shared memory reaches only that node)
     device_ids: list[str]  # one per tensor-parallel rank, in rank order
     vocab_size: int
     max_model_len: int

@@ -22,9 +22,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+from gen_backend_kit.weights import release_shared_weights
+from gen_backend_kit.weights.relay import bucket_bytes, rehosted_bucket, rehosted_handles
 from gen_interface import BackendUnavailableError, InFlight
 from gen_interface.weights import WeightBase
 from gen_interface.weights.collective import CollectiveEndpoint
+from gen_interface.weights.handles import WeightBucket, WeightHandles
 
 from gen_vllm.adapter import ADAPTER_ID, ADAPTER_NAME
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
@@ -116,6 +120,7 @@ class VllmGenerationWorker:
         self._info = WorkerInfo(
             pid=os.getpid(),
             host=socket.gethostname(),
+            node_id=_ray_node_id(),
             device_ids=self._loop.run(lambda: engine.collective_rpc("report_device_id")),
             vocab_size=engine.limits.vocab_size,
             max_model_len=engine.limits.max_model_len,
@@ -334,6 +339,36 @@ class VllmGenerationWorker:
     async def release_committed_weights(self) -> None:
         await self._loop.call(lambda: self._loop.engine.collective_rpc("release_committed_weights"))
 
+    async def shared_bucket(self, handles: dict[str, Any], index: int) -> np.ndarray:
+        """Bucket ``index`` of weights shared on this node (``share_committed_weights``), its
+        bytes copied out for another node (``relay.bucket_bytes``); off the actor's loop."""
+        return await asyncio.to_thread(bucket_bytes, handles, index)
+
+    async def relay_shared_weights(self, peer: Any, handles: dict[str, Any]) -> WeightHandles:
+        """Bring weights shared on another node (``peer``'s actor) to this one, a bucket at a
+        time through Ray's object store, into shared memory here: handles for ``load_weights``
+        that keep every checksum of the producer's (the load verifies each tensor). Release
+        them with ``release_relayed_weights`` once loaded, or on failure.
+
+        Raises:
+            WeightUpdateError: a bucket arrived with the wrong size, or this node's shared
+                memory has no room; nothing relayed is left behind.
+        """
+        buckets: list[WeightBucket] = []
+        try:
+            for index, bucket in enumerate(handles["buckets"]):
+                data = await peer.shared_bucket.remote(handles, index)
+                buckets.append(await asyncio.to_thread(rehosted_bucket, bucket, data))
+                del data  # one bucket in transit at a time
+        except BaseException:
+            release_shared_weights(rehosted_handles(buckets))
+            raise
+        return rehosted_handles(buckets)
+
+    async def release_relayed_weights(self, handles: dict[str, Any]) -> int:
+        """Remove the segments ``relay_shared_weights`` made (idempotent); how many."""
+        return release_shared_weights(handles)
+
     async def weight_report(self) -> list[UpdateReport]:
         """Each rank's checksums of the weights it serves now (``weight_update_report``, as
         compared between replicas), computed between engine steps: what a replacement's
@@ -414,3 +449,10 @@ def _undo_worker_niceness() -> None:
     """
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
+def _ray_node_id() -> str:
+    """The Ray node this process runs on; "" outside a Ray worker (a test's direct call)."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""

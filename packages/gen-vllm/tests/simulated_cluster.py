@@ -1,0 +1,79 @@
+"""Running a test's scenario on Ray's multi-node test cluster (``ray.cluster_utils.Cluster``), in
+a process of its own.
+
+The pytest process already holds a Ray connection of its own (the ``ray_session`` fixture), and a
+process can hold only one, so a scenario that builds a simulated cluster runs as a script in a
+subprocess, in a process group of its own. It gets its own Ray temp directory, so the address
+file the cluster writes cannot lead another ``ray.init()`` on this machine into the simulated
+cluster, and whatever it leaves running is killed with its group when it overruns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+#: What ``ray._private.node.Node`` raises when a node does not register within 30 s.
+NODE_START_TIMEOUT = "The current node timed out during startup"
+
+
+def run_scenario_script(script: str, args: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run ``script`` with ``args`` until it exits; its exit status and output.
+
+    A second try only when a node missed Ray's fixed 30 s start-up deadline, which a busy machine
+    can make it miss; any other failure is returned as it is. A run past ``timeout_s`` kills the
+    whole process group (the script, its raylets and workers) and fails the test.
+    """
+    for attempt in (1, 2):
+        returncode, log = _run_once(script, args, timeout_s)
+        if returncode == 0 or attempt == 2 or NODE_START_TIMEOUT not in log:
+            break
+        print(f"simulated cluster: a node timed out during start-up; trying again\n{log[-3000:]}")
+    return returncode, log
+
+
+def _run_once(script: str, args: list[str], timeout_s: float) -> tuple[int, str]:
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rmn", dir="/tmp"))  # short: Unix socket paths
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(
+        RAY_TMPDIR=str(ray_tmp),
+        RAY_ENABLE_UV_RUN_RUNTIME_ENV="0",
+        # Idle workers prestarted per logical CPU only cost time on a small machine.
+        RAY_enable_worker_prestart="0",
+        RAY_prestart_worker_first_driver="0",
+    )
+    process = subprocess.Popen(
+        [sys.executable, script, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # Ray's processes share the script's group
+        log, _ = process.communicate()
+        pytest.fail(f"simulated-cluster scenario ran past {timeout_s:g} s:\n{log[-6000:]}")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return process.returncode, log
+
+
+def ship_fake_engine() -> None:
+    """In the scenario's process: send the fake engine's module to workers by value (they
+    cannot import the tests' directory)."""
+    import fake_vllm_engine
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(fake_vllm_engine)
