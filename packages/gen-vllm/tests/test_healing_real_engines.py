@@ -4,7 +4,11 @@ what the fault-free call returned (the testkit's near-tie rule: a re-run row lan
 batch, and vLLM's CPU build is not batch-invariant), at the same version; the fleet gets back
 to full size from a peer's copy of the committed weights; a later refit reaches every replica.
 Then a worker SIGKILLed in a refit, after its loads and before the commit: the refit commits on
-the survivor, and the replacement takes that version from the survivor's copy."""
+the survivor, and the replacement takes that version from the survivor's copy. Then a
+replacement SIGKILLed in its own load of the survivor's copy: another follows and is admitted.
+Last, every worker SIGKILLed mid-call: the call fails with a typed, retryable error within
+seconds, so do calls while no replica serves, and the next refit brings the whole fleet back
+(no copy of the weights outlived the replicas, so the replacements join that refit)."""
 
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ import time
 
 import pytest
 import torch
+from gen_interface import NoReplicaServingError
 from gen_interface.weights import refit
 from gen_testkit.compare import compare_generations
 from gen_testkit.conformance import conformance_config
 from gen_testkit.strategies import pad_prompts
 from gen_testkit.tolerances import tolerance_for
-from refit_faults import KillBeforeCommit
+from refit_faults import KillBeforeCommit, KillDuringLoad, perturbed_weights
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 8] for i in range(16)]
 SETTLE_S = 240  # a replacement engine's start on two busy cores
@@ -46,11 +51,7 @@ def backend(ray_session, tiny_qwen2):
 
 
 def _moved(tiny, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: t + 0.2 * t.float().std() * torch.randn(t.shape, generator=generator)
-        for name, t in tiny.state_dict().items()
-    }
+    return perturbed_weights(tiny.state_dict(), seed)
 
 
 def _faulty_call(backend, replica: int, sig: signal.Signals) -> tuple[dict, float]:
@@ -136,3 +137,67 @@ def test_a_worker_killed_and_another_stopped_mid_call_cost_a_re_run_and_the_flee
         logprob_atol=tolerance.logprob_atol,
         near_tie=tolerance.near_tie,
     ).assert_ok("the survivor's rows and the replacement's, after a kill in a refit")
+
+    # a replacement killed in its own load: another follows, from the survivor's copy
+    loads = KillDuringLoad(backend.fleet)
+    os.kill(backend.replicas.infos[1]["pid"], signal.SIGKILL)
+    _wait_metric(backend, "fleet_restarts_total", 5)  # the loss seen, the load killed, again
+    assert backend.fleet.wait_settled(SETTLE_S)
+    metrics = backend.get_logger_metrics()
+    assert loads.killed is not None
+    assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_faults_total"] == 4
+    assert metrics["fleet_restarts_total"] == 5  # the killed replacement and the next
+    assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == newest
+    compare_generations(
+        last,
+        backend.generate(pad_prompts(PROMPTS * 2, "left"), greedy=True),
+        logprob_atol=tolerance.logprob_atol,
+        near_tie=tolerance.near_tie,
+    ).assert_ok("after a replacement was killed in its load")
+
+    # every replica killed mid-call: a typed error within seconds, then the next refit heals
+    thread_out: dict = {}
+    call = threading.Thread(target=_call_into, args=(thread_out, backend, batch))
+    call.start()
+    _wait_busy(backend)
+    killed_at = time.monotonic()
+    for info in backend.replicas.infos:
+        os.kill(info["pid"], signal.SIGKILL)
+    call.join(timeout=60)
+    assert isinstance(thread_out.get("error"), NoReplicaServingError), thread_out
+    assert thread_out["at"] - killed_at < 10
+    started = time.monotonic()
+    with pytest.raises(NoReplicaServingError):
+        backend.generate(batch, greedy=True)
+    assert time.monotonic() - started < 5
+    assert backend.fleet.wait_settled(SETTLE_S)  # both up, waiting for the next refit
+    final = refit(backend, _moved(tiny_qwen2, 4))
+    assert backend.fleet.wait_settled(SETTLE_S)
+    metrics = backend.get_logger_metrics()
+    assert metrics["fleet_replicas_serving"] == 2
+    assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == final
+    assert _versions(backend.generate(pad_prompts(PROMPTS * 2, "left"), greedy=True)) == {final}
+
+
+def _call_into(out: dict, backend, batch) -> None:
+    try:
+        out["value"] = backend.generate(batch, greedy=True)
+    except BaseException as exc:
+        out["error"] = exc
+    out["at"] = time.monotonic()
+
+
+def _wait_busy(backend, timeout_s: float = 30) -> None:
+    """Until some replica's engine holds rows."""
+    deadline = time.monotonic() + timeout_s
+    while not any(backend.rows_in_flight()):
+        assert time.monotonic() < deadline, "no replica ever held rows"
+        time.sleep(0.02)
+
+
+def _wait_metric(backend, key: str, value: int, timeout_s: float = SETTLE_S) -> None:
+    """Until ``get_logger_metrics()[key]`` reaches ``value``."""
+    deadline = time.monotonic() + timeout_s
+    while backend.get_logger_metrics()[key] < value:
+        assert time.monotonic() < deadline, f"{key} stayed below {value}"
+        time.sleep(0.1)

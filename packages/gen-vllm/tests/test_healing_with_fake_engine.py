@@ -338,6 +338,30 @@ def test_without_a_copy_of_the_committed_weights_a_replacement_joins_the_next_re
     _same(_generate(backend), after)  # rows on either replica agree
 
 
+def test_with_every_replica_lost_after_a_refit_the_next_refit_brings_the_whole_fleet_back(
+    own, tiny_qwen2, new_weights
+):
+    """No copy of the committed weights outlived the replicas: both replacements wait to join,
+    calls are refused with a typed error, and the next refit, which has no serving replica to
+    compare with, verifies the joiners against each other and admits both at its version."""
+    backend = own.backend(own.cluster([2]), tiny_qwen2, weight_deltas=True)
+    refit(backend, new_weights(7))
+    for info in backend.replicas.infos:
+        os.kill(info["pid"], signal.SIGKILL)
+    _wait_until(lambda: backend.fleet.joining() == [0, 1], "both replacements waiting to join")
+    with pytest.raises(NoReplicaServingError):
+        _generate(backend)
+    version = refit(backend, new_weights(8))
+    metrics = backend.get_logger_metrics()
+    assert metrics["fleet_replicas_serving"] == 2 and backend.fleet.joining() == []
+    assert metrics["replica_0_weight_version"] == metrics["replica_1_weight_version"] == version
+    reports = _weight_reports(backend)
+    assert weights_differ(reports[0], reports[1]) is None
+    rows = _generate(backend)
+    assert set(rows["weight_version"].tolist()) == {version}
+    _same(_generate(backend), rows)  # rows on either replica agree
+
+
 def test_a_row_that_already_streamed_tokens_gets_a_typed_retryable_error_naming_it(own, tiny_qwen2):
     backend = own.backend(own.cluster([2]), tiny_qwen2)
     view = backend.with_sampling(max_new_tokens=200, stop_token_ids=[])

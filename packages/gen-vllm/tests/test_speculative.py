@@ -301,12 +301,6 @@ def test_settings_speculation_cannot_honour_are_refused_by_name(tiny_llama, draf
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}
     with pytest.raises(GenerationConfigError, match="'draft_model' with `lora`"):
         complete(_config(tiny_llama, speculative=draft, lora=lora))
-    deltas = _config(tiny_llama, speculative=draft)
-    deltas["vllm_cfg"]["weight_deltas"] = True
-    with pytest.raises(
-        GenerationConfigError, match=r"'draft_model' with `vllm_cfg\.weight_deltas`"
-    ):
-        complete(deltas)
 
 
 def test_nemo_rl_speculative_config_becomes_speculative(tiny_llama, drafter):
@@ -348,6 +342,15 @@ def _acceptance(backend):
     return backend.get_logger_metrics()["speculative_acceptance_rate"]
 
 
+def _drafter_checksum(backend) -> int | None:
+    """The drafter checksum of replica 0's weight report (None: no drafter model)."""
+    import ray
+
+    return ray.get(backend.replicas.actors[0].weight_report.remote(), timeout=120)[0].get(
+        "drafter_checksum"
+    )
+
+
 def _scrambled(tensors):
     noise = torch.Generator().manual_seed(11)
     return {n: w[torch.randperm(w.shape[0], generator=noise)] for n, w in tensors.items()}
@@ -358,7 +361,9 @@ def test_target_and_drafter_refit_together_and_a_target_refit_leaves_the_drafter
 ):
     """One transaction takes the target's and the drafter's weights; the drafter's version is
     the last update's that carried them: a target-only refit neither moves it nor reaches the
-    drafter, and a dropped update that carried them leaves the drafter as it was."""
+    drafter, and a dropped update that carried them leaves the drafter as it was. The weight
+    report's drafter checksum (what a replacement's drafter is verified against) follows the
+    drafter's weights: moved by a drafter refit, by nothing else, and back with its weights."""
     from gen_interface.weights import refit
     from gen_interface.weights.producer import share_weights
 
@@ -366,8 +371,12 @@ def test_target_and_drafter_refit_together_and_a_target_refit_leaves_the_drafter
     batch = pad_prompts(PROMPTS, "left")
     expected = plain.with_sampling(max_new_tokens=16).generate(batch, greedy=True)
     good = _acceptance(drafted)
+    original = _drafter_checksum(drafted)
+    assert original is not None and _drafter_checksum(plain) is None
     both = refit(drafted, {**target, **_scrambled(trained)})
     assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == both
+    scrambled = _drafter_checksum(drafted)
+    assert scrambled != original
     bad = _acceptance(drafted)
     assert bad < good, (bad, good)
     target_only = refit(drafted, target)
@@ -382,7 +391,9 @@ def test_target_and_drafter_refit_together_and_a_target_refit_leaves_the_drafter
     assert drafted.weight_version == target_only
     assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == both
     assert _acceptance(drafted) == pytest.approx(bad)
+    assert _drafter_checksum(drafted) == scrambled  # target refits and a drop left it
     restored = refit(drafted, trained)
+    assert _drafter_checksum(drafted) == original
     assert drafted.get_logger_metrics()["speculative_drafter_weight_version"] == restored
     assert _acceptance(drafted) == pytest.approx(good)
     out = drafted.with_sampling(max_new_tokens=16).generate(batch, greedy=True)
@@ -497,3 +508,57 @@ def test_the_acceptance_floor_is_this_project_s_and_never_reaches_vllm(tiny_llam
         VllmGeneration.complete_config(
             _config(tiny_llama, speculative={**draft, "min_acceptance_rate": 1.5})
         )
+
+
+def test_a_replacement_takes_the_fleet_s_drafter_from_a_peer_s_copy(
+    ray_session, plain, tiny_llama, drafter
+):
+    """Two speculating replicas keep a copy of the committed weights (``weight_deltas``), the
+    drafter's included. After a refit of the target and a changed drafter, one replica's worker
+    is SIGKILLed: its replacement loads the peer's copy, drafter and all, is verified on both
+    (the drafter checksums equal) and serves at the fleet's version; its rows are the target's
+    greedy rows; a later target-only refit keeps both drafters as they were."""
+    import os
+    import signal
+    import time
+
+    import ray
+    from gen_interface.weights import refit
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+    from gen_vllm.refit import weights_differ
+
+    config = _config(tiny_llama, speculative=_drafting(drafter))
+    config["vllm_cfg"].update(weight_deltas=True, max_replica_restarts=2)
+    cluster = RayVirtualCluster([2], use_gpus=False, num_cpus_per_bundle=1)
+    backend = VllmGeneration(cluster, config)
+    try:
+        target, trained = _checkpoint(tiny_llama.path), _checkpoint(drafter, "drafter.")
+        version = refit(backend, {**target, **_scrambled(trained)})
+        os.kill(backend.replicas.infos[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while backend.get_logger_metrics()["fleet_faults_total"] < 1:
+            assert time.monotonic() < deadline, "the loss was never seen"
+            time.sleep(0.1)
+        assert backend.fleet.wait_settled(240)
+        metrics = backend.get_logger_metrics()
+        assert metrics["fleet_replicas_serving"] == 2 and metrics["fleet_restarts_total"] == 1
+        assert metrics["replica_1_weight_version"] == version
+        reports = ray.get([a.weight_report.remote() for a in backend.replicas.actors])
+        assert reports[0][0]["drafter_checksum"] is not None
+        assert weights_differ(reports[0], reports[1]) is None  # the drafter included
+        batch = pad_prompts(PROMPTS * 2, "left")  # rows on both replicas
+        expected = plain.with_sampling(max_new_tokens=16).generate(
+            pad_prompts(PROMPTS * 2, "left"), greedy=True
+        )
+        out = backend.with_sampling(max_new_tokens=16).generate(batch, greedy=True)
+        report = compare_generations(
+            expected, out, logprob_atol=TOLERANCE.logprob_atol, near_tie=TOLERANCE.near_tie
+        )
+        assert not [r for r in report.rows if r.status == "mismatch"], report.rows
+        refit(backend, target)  # the drafter stays the scrambled one on both
+        after = ray.get([a.weight_report.remote() for a in backend.replicas.actors])
+        assert after[0][0]["drafter_checksum"] == reports[0][0]["drafter_checksum"]
+        assert weights_differ(after[0], after[1]) is None
+    finally:
+        backend.shutdown()
+        cluster.shutdown()

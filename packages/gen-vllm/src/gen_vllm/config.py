@@ -224,12 +224,6 @@ def _check_speculation(out: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
             "adapter would each be a refit group of their own, which this backend does not "
             "offer together; leave one of them out"
         )
-    if method == "draft_model" and cfg["weight_deltas"]:
-        raise GenerationConfigError(
-            "speculative.method 'draft_model' with `vllm_cfg.weight_deltas`: the copy of the "
-            "committed weights holds the target's only, so the drafter's weights (a refit group "
-            "of their own) could not be staged in it; turn weight_deltas off"
-        )
     if method == "draft_model" and cfg["load_format"] == "dummy":
         raise GenerationConfigError(
             "speculative.method 'draft_model' with vllm_cfg.load_format 'dummy' (a config made "

@@ -89,7 +89,16 @@ class UpdatableVllmInternalWorker:
         if config is None:
             raise RuntimeError("drafter tensors arrived but this engine runs no drafter model")
         load_drafter_weights(self.model_runner.drafter.model, config, tensors)
+        if getattr(engine, "committed", None) is not None:  # the copy holds the drafter's too
+            engine.committed_drafter = {n: t.to("cpu") for n, t in tensors.items()}
         return True
+
+    def drop_drafter_update(self) -> None:
+        """The update was dropped: the drafter tensors kept aside for its commit are let go
+        (the drafter never took them)."""
+        engine = self.weight_transfer_engine
+        if getattr(engine, "drafter", None):
+            engine.drafter = {}
 
     # ---- the readable copy of the committed weights (staging.py) ---------------------------
 
@@ -135,7 +144,10 @@ class UpdatableVllmInternalWorker:
         from gen_interface.weights.producer import share_weights
 
         self.release_committed_weights()
-        shared = self._gen_shared_copy = share_weights(committed.items())
+        # the drafter's committed tensors too, once an update carried them (until then the
+        # drafter holds its checkpoint's, as a replacement's does)
+        drafter = getattr(self.weight_transfer_engine, "committed_drafter", {})
+        shared = self._gen_shared_copy = share_weights([*committed.items(), *drafter.items()])
         return committed.version, dict(shared.handles)
 
     def release_committed_weights(self) -> None:
@@ -205,7 +217,28 @@ class UpdatableVllmInternalWorker:
             model_checksum=self.model_checksum() if compared else None,
             packed_checksum=packed_layers_checksum(model) if compared else None,
             kernel=kernel_description() if self.device.type == "cpu" else "",
+            drafter_checksum=self.drafter_checksum() if compared else None,
         )
+
+    def drafter_checksum(self) -> int | None:
+        """The drafter's weights as they will be served after this update's commit: while an
+        update holds drafter tensors for the commit (after its finish), the checksum of those
+        tensors (every replica of the update holds the same, verified); else of the drafter
+        model's non-empty parameters and buffers and of what its packed layers compute
+        (``packed_layers_checksum``). None without a drafter model."""
+        drafter = getattr(getattr(self.model_runner, "drafter", None), "model", None)
+        if draft_model_config(getattr(self, "vllm_config", None)) is None or drafter is None:
+            return None
+        pending = getattr(self.weight_transfer_engine, "drafter", None)
+        if pending:
+            return combine_checksums([1, weights_checksum(sorted(pending.items()))])
+        named = [
+            (name, tensor)
+            for name, tensor in [*drafter.named_parameters(), *drafter.named_buffers()]
+            if tensor.numel()
+        ]
+        packed = packed_layers_checksum(drafter)
+        return combine_checksums([weights_checksum(named), 0 if packed is None else packed])
 
     def model_checksum(self) -> int:
         """Checksum of the model's non-empty parameters and buffers as loaded (after packing;

@@ -11,15 +11,16 @@ gen-vllm does at each transition:
   ``restarting`` until its engine is up, then ``stale``. It takes the fleet's current weights,
   not the checkpoint's: while the fleet still serves the checkpoint (no update committed) it
   already holds them; after that, a serving peer's readable copy of the committed weights
-  (``vllm_cfg.weight_deltas``, ``staging.py``) is put in shared-memory buckets with their
-  checksums and loaded through the same transaction as a refit (each tensor verified on
-  arrival). A replacement on another node than the peer (Ray placed it elsewhere: its node was
-  lost) gets the buckets relayed first, one at a time through Ray's object store, into shared
-  memory of its own node (``gen_backend_kit.weights.relay``), checksums unchanged. It is
-  admitted (``serving``, at the fleet's version) only when its weight report equals a serving
-  replica's (``refit.weights_differ``), while no update is open; an update that committed
-  meanwhile makes it load again. A replacement that fails to start, load or verify is killed
-  and the slot is dead again (another replacement follows while restarts are left).
+  (``vllm_cfg.weight_deltas``, ``staging.py``; the drafter model's committed tensors with it)
+  is put in shared-memory buckets with their checksums and loaded through the same
+  transaction as a refit (each tensor verified on arrival). A replacement on another node than
+  the peer (Ray placed it elsewhere: its node was lost) gets the buckets relayed first, one at a
+  time through Ray's object store, into shared memory of its own node
+  (``gen_backend_kit.weights.relay``), checksums unchanged. It is admitted (``serving``, at the
+  fleet's version) only when its weight report equals a serving replica's
+  (``refit.weights_differ``), while no update is open; an update that committed meanwhile makes
+  it load again. A replacement that fails to start, load or verify is killed and the slot is
+  dead again (another replacement follows while restarts are left).
 - **Updates** pin the members they started on (``pin`` / ``unpin``); a replacement waits for
   the update to end, then loads its result.
 
@@ -183,12 +184,35 @@ class Fleet:
             )
             if why is None:
                 continue
+            only_drafter = (
+                reference is not None
+                and not isinstance(outcome, BaseException)
+                and weights_differ(reference, outcome, drafter=False) is None
+            )
+            if only_drafter:
+                self._wait_for_drafter(replica, why)
+                continue
             with self._lock:  # never routed rows: lost directly, not through the router
                 self._joining.discard(replica)
                 pinned = self.replicas.pinned
                 if pinned is not None and replica in pinned:
                     pinned.remove(replica)
             self.lost(replica, f"it joined a weight update and does not hold the fleet's: {why}")
+
+    def _wait_for_drafter(self, replica: int, why: str) -> None:
+        """Joining ``replica`` took the update and holds the fleet's target weights, but not
+        its drafter model (the update did not carry the drafter, which changed since the
+        checkpoint): it stays joining, unrouted, for the next update, which it joins again."""
+        with self._lock:
+            pinned = self.replicas.pinned
+            if pinned is not None and replica in pinned:
+                pinned.remove(replica)
+        logger.warning(
+            "replica %d's replacement holds the fleet's weights but not its drafter model (%s): "
+            "it serves from the next weight update that carries the drafter's",
+            replica,
+            why,
+        )
 
     def unpin(self, version: int | None) -> None:
         """The update ended: committed as ``version`` on its members, or dropped (None). A
@@ -329,17 +353,18 @@ class Fleet:
             actor.release_relayed_weights.remote(relayed)
 
     def _load(self, actor: Any, handles: dict[str, Any], version: int) -> list[UpdateReport]:
-        """Run a whole refit from ``handles`` on the new actor alone; its ranks' reports."""
+        """Run a whole refit from ``handles`` on the new actor alone; its ranks' reports of
+        the weights it serves once the refit ended (the drafter model takes its tensors at
+        the end, after the finish's reports)."""
         actor_calls = [
             lambda: actor.start_weight_update.remote("keep"),
             lambda: actor.load_weights.remote(LoadInfo(handles=handles), 0),  # type: ignore[typeddict-item]
+            lambda: actor.finish_weight_update.remote(True),
+            lambda: actor.end_weight_update.remote(version, False),
         ]
         for call in actor_calls:
             self._get(call(), "a replacement's weight load", self._deadline_s)
-        reports: list[UpdateReport] = self._get(
-            actor.finish_weight_update.remote(True), "a replacement's weight load", self._deadline_s
-        )
-        self._get(actor.end_weight_update.remote(version, False), "a replacement's weight load")
+        reports: list[UpdateReport] = self._get(actor.weight_report.remote(), "a weight report")
         return reports
 
     def _verify(self, replica: int, report: list[UpdateReport], source: str) -> None:

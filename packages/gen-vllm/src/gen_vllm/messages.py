@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 from gen_backend_kit import FinishReason
@@ -214,3 +214,7 @@ class UpdateReport(TypedDict):
     # holds after packing); None when no layer is packed (GPU) or with one replica
     packed_checksum: int | None
     kernel: str  # what the packed results depend on: CPU model and thread count ("" on GPU)
+    # of the drafter model's parameters and packed layers together (speculative method
+    # "draft_model"); None without a drafter model or with one replica. Kernel-dependent like
+    # packed_checksum: compared between ranks of the same kernel only.
+    drafter_checksum: NotRequired[int | None]

@@ -10,6 +10,8 @@ Each tensor-parallel rank reports, while its engine is still paused:
   parameters no longer hold (vLLM's CPU linear layers move theirs into oneDNN or SGL buffers).
   A kernel's exact output depends on the machine and thread count, so only ranks that report
   the same ``kernel`` (CPU model, threads) are compared; GPU ranks report none.
+- ``drafter_checksum``: the drafter model's parameters and packed layers together (speculative
+  method ``draft_model``), compared as ``packed_checksum`` is: between ranks of one kernel.
 
 Every comparison is exact: the values are computed in isolation, not beside running rows.
 """
@@ -76,15 +78,20 @@ def verify_update(outcomes: Sequence[list[UpdateReport] | GenerationError]) -> l
 
 def _check_packed(rank: int, same_rank: Sequence[UpdateReport]) -> None:
     """Ranks on the same kind of kernel must compute the same on the fixed input."""
-    by_kernel: dict[str, set[int | None]] = {}
+    by_kernel: dict[str, set[tuple[int | None, int | None]]] = {}
     for report in same_rank:
-        by_kernel.setdefault(report["kernel"], set()).add(report["packed_checksum"])
+        by_kernel.setdefault(report["kernel"], set()).add(_kernel_bound(report))
     for kernel, values in by_kernel.items():
-        if len(values) > 1:
+        if len({packed for packed, _ in values}) > 1:
             raise MixedWeightsError(
                 f"tensor-parallel rank {rank}: replicas on the same kernels ({kernel}) compute "
                 "different results with their packed layers after loading the same update: "
                 "their weights differ"
+            )
+        if len({drafter for _, drafter in values}) > 1:
+            raise MixedWeightsError(
+                f"tensor-parallel rank {rank}: replicas on the same kernels ({kernel}) hold "
+                "different drafter models after the same update: their drafter weights differ"
             )
     if len(by_kernel) > 1:
         logger.info(
@@ -96,13 +103,19 @@ def _check_packed(rank: int, same_rank: Sequence[UpdateReport]) -> None:
 
 
 def weights_differ(
-    reference: Sequence[UpdateReport], candidate: Sequence[UpdateReport]
+    reference: Sequence[UpdateReport],
+    candidate: Sequence[UpdateReport],
+    *,
+    drafter: bool = True,
 ) -> str | None:
     """Why ``candidate`` (a replacement replica's ranks) does not hold the weights
     ``reference`` (a serving replica's ranks) holds, or None when it does: each rank's
-    parameters, and its packed layers' results where both run the same kernel, exactly as
-    replicas are compared after a refit. Received bytes are not compared: a replacement reads
-    another copy (a peer's) than the trainer's buckets."""
+    parameters, and its packed layers' and drafter model's checksums where both run the same
+    kernel, exactly as replicas are compared after a refit. Received bytes are not compared: a
+    replacement reads another copy (a peer's) than the trainer's buckets.
+
+    Args:
+        drafter: compare the drafter models too; False: the target model alone."""
     if len(reference) != len(candidate):
         return f"{len(candidate)} ranks where the fleet's replicas have {len(reference)}"
     for rank, (ours, theirs) in enumerate(zip(reference, candidate)):
@@ -114,4 +127,11 @@ def weights_differ(
         same_kernel = ours["kernel"] == theirs["kernel"]
         if same_kernel and ours["packed_checksum"] != theirs["packed_checksum"]:
             return f"tensor-parallel rank {rank}'s packed layers compute other results"
+        if drafter and same_kernel and _kernel_bound(ours)[1] != _kernel_bound(theirs)[1]:
+            return f"tensor-parallel rank {rank}'s drafter model holds other weights"
     return None
+
+
+def _kernel_bound(report: UpdateReport) -> tuple[int | None, int | None]:
+    """The checksums compared only between ranks of one kernel: packed layers, drafter."""
+    return report["packed_checksum"], report.get("drafter_checksum")

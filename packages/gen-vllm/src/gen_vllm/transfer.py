@@ -24,6 +24,8 @@ import torch
 from gen_backend_kit.lora import is_adapter_weight
 from gen_backend_kit.weights import CommittedWeights
 from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
+from gen_interface.weights.handles import TensorSlot
+from gen_interface.weights.layout import Entry
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
@@ -86,6 +88,9 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         self.drafter: dict[str, torch.Tensor] = {}
         self.group: WeightGroup | None = None
         self.committed: CommittedWeights | None = None
+        # with ``committed``: the drafter's tensors as last committed (none until an update
+        # carries them: the drafter then holds its checkpoint's), for replacements
+        self.committed_drafter: dict[str, torch.Tensor] = {}
         self.staged = False  # this update wrote into ``committed``
         self.loads = EngineLoads()
         self._reloading = False
@@ -108,7 +113,7 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
         for bucket in receive_load(info, device_uuid=gpu, group=self.group):
             if self.committed is not None:
                 self.staged = True
-                now = self.loads.stage(self.committed, bucket.entries)
+                now = self.loads.stage(self.committed, self._drafter_aside(bucket.entries))
                 if now:
                     self._load(now)
                 self.received.append(bucket.checksum)
@@ -121,6 +126,24 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
             if bucket.shared is not None:
                 _own_pending_tensors(self.model, bucket.shared)
             self.received.append(bucket.checksum)
+
+    def _drafter_aside(
+        self, entries: Iterator[tuple[TensorSlot, Entry]]
+    ) -> Iterator[tuple[TensorSlot, Entry]]:
+        """With the copy of the committed weights: the target's entries, to stage in it; the
+        drafter's are whole tensors (never deltas: the copy is the target's base), kept in
+        ``drafter`` for the commit like any update's, and in ``committed_drafter`` from then
+        on (``load_drafter_update``).
+
+        Raises:
+            WeightUpdateError (while iterating): a drafter tensor arrived as a delta.
+        """
+        for slot, entry in entries:
+            if not is_drafter_weight(slot["name"]):
+                yield slot, entry
+                continue
+            for name, tensor in whole_tensors(iter([(slot, entry)])):
+                self.drafter[name] = tensor.to(self.device, copy=True)
 
     def _keep_aside(
         self, tensors: Iterator[tuple[str, torch.Tensor]]

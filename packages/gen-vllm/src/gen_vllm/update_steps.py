@@ -95,6 +95,8 @@ class ReplicaUpdateSteps:
         outcomes = dict(zip(members, self.replicas.finish_weight_update()))
         # replacements joining this update are checked against the members, not with them
         joining = {r: outcomes.pop(r) for r in self.fleet.joining()} if self.fleet else {}
+        if joining and not outcomes:  # none serves (every replica was lost): the joiners
+            outcomes, joining = joining, {}  # verify among themselves, admitted at the commit
         try:
             reports = verify_update(self._survivors(list(outcomes), list(outcomes.values())))
         except MixedWeightsError as exc:

@@ -299,6 +299,8 @@ class VllmGenerationWorker:
                     engine.collective_rpc("load_drafter_update")
                     self._loop.set_version(version)
                     self._serve_new_adapter(version)
+                else:
+                    engine.collective_rpc("drop_drafter_update")
                 if version is not None or cut:
                     engine.reset_prefix_cache()  # KV computed with other weights
             finally:
