@@ -17,9 +17,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from processes import running
 
 #: What ``ray._private.node.Node`` raises when a node does not register within 30 s.
 NODE_START_TIMEOUT = "The current node timed out during startup"
@@ -77,3 +81,41 @@ def ship_fake_engine() -> None:
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(fake_vllm_engine)
+
+
+@contextlib.contextmanager
+def simulated_nodes(
+    count: int, seen: dict[str, Any], *, head_cpus: int = 0, **node: Any
+) -> Iterator[tuple[Any, list[Any]]]:
+    """In the scenario's process: a ``Cluster`` of a head with ``head_cpus`` CPUs and no GPU
+    and ``count`` worker nodes of ``node``'s resources (default one CPU each); yields it and
+    its nodes (head first; a scenario may append nodes it adds). On exit Ray and the cluster
+    stop, and ``seen["nodes_alive_after_shutdown"]`` says which nodes kept processes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": head_cpus, "num_gpus": 0, "include_dashboard": False},
+    )
+    nodes = [cluster.head_node]
+    try:
+        for _ in range(count):
+            nodes.append(cluster.add_node(**(node or {"num_cpus": 1})))
+        cluster.wait_for_nodes()
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        seen["nodes_alive_after_shutdown"] = [n.any_processes_alive() for n in nodes]
+
+
+def assert_exited(pids: list[int], within_s: float = 30.0) -> None:
+    """In the test's process: every one of ``pids`` (a scenario's workers) exits within
+    ``within_s`` (their raylet took them down)."""
+    deadline = time.monotonic() + within_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if running(pid)]
+        time.sleep(0.5)
+    assert not alive, f"worker processes {alive} outlived the simulated cluster"

@@ -29,8 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import running
-from simulated_cluster import run_scenario_script, ship_fake_engine
+from simulated_cluster import (
+    assert_exited,
+    run_scenario_script,
+    ship_fake_engine,
+    simulated_nodes,
+)
 
 WORKER_NODES = 3
 PROMPTS = [[3 + i % 50, 17, 42 + i % 7, 8] for i in range(8)]
@@ -95,10 +99,7 @@ def test_a_later_refit_reaches_both_replicas(report: dict[str, Any]) -> None:
 
 def test_nothing_of_the_simulated_cluster_is_left(report: dict[str, Any]) -> None:
     assert not any(report["nodes_alive_after_shutdown"])
-    deadline = time.monotonic() + 30
-    while any(running(pid) for pid in report["pids"]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [pid for pid in report["pids"] if running(pid)], "worker processes left"
+    assert_exited(report["pids"])
 
 
 # ---- the scenario (its own process) ------------------------------------------------------------
@@ -106,26 +107,11 @@ def test_nothing_of_the_simulated_cluster_is_left(report: dict[str, Any]) -> Non
 
 def _scenario(model_dir: str, log_dir: str) -> dict[str, Any]:
     """Start the simulated cluster and a fleet on it, lose a node mid-call, heal, refit."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False},
-    )
-    nodes = [cluster.head_node]
     seen: dict[str, Any] = {}
-    try:
-        for _ in range(WORKER_NODES):
-            nodes.append(cluster.add_node(num_cpus=1))
-        cluster.wait_for_nodes()
+    with simulated_nodes(WORKER_NODES, seen) as (cluster, nodes):
         seen["worker_nodes"] = [node.node_id for node in nodes[1:]]
         _on_fleet(cluster, model_dir, log_dir, seen)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    seen["nodes_alive_after_shutdown"] = [node.any_processes_alive() for node in nodes]
     return seen
 
 

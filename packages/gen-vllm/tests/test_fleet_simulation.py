@@ -32,8 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import running
-from simulated_cluster import run_scenario_script, ship_fake_engine
+from simulated_cluster import (
+    assert_exited,
+    run_scenario_script,
+    ship_fake_engine,
+    simulated_nodes,
+)
 
 SIZE = int(os.environ.get("GEN_FLEET_SIZE", "4"))
 ROUNDS = int(os.environ.get("GEN_FLEET_ROUNDS", "2"))
@@ -80,10 +84,7 @@ def test_a_simulated_fleet_under_random_faults_returns_what_a_fault_free_fleet_d
     # a replica whose node was lost came back on another node, from a relayed copy
     assert metrics["fleet_copies_relayed_total"] >= faults["node"]
     assert not any(seen["nodes_alive_after_shutdown"])
-    deadline = time.monotonic() + 30
-    while any(running(p) for p in seen["pids"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in seen["pids"] if running(p)], "processes left running"
+    assert_exited(seen["pids"])
 
 
 # ---- the loop (its own process) ----------------------------------------------------------------
@@ -91,26 +92,11 @@ def test_a_simulated_fleet_under_random_faults_returns_what_a_fault_free_fleet_d
 
 def _simulation(model_dir: str, log_dir: str) -> dict[str, Any]:
     """A cluster of ``SIZE`` + 1 one-CPU nodes and a head without CPUs; the fleet's loop on it."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False},
-    )
     seen: dict[str, Any] = {}
-    nodes = [cluster.head_node]
-    try:
-        for _ in range(SIZE + 1):
-            nodes.append(cluster.add_node(num_cpus=1))
-        cluster.wait_for_nodes()
+    with simulated_nodes(SIZE + 1, seen) as (cluster, nodes):
         _loop_on_fleet(cluster, nodes, model_dir, log_dir, seen)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    seen["nodes_alive_after_shutdown"] = [node.any_processes_alive() for node in nodes]
     seen["seconds"] = time.monotonic() - started
     return seen
 

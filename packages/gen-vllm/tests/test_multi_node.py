@@ -32,8 +32,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from processes import running
-from simulated_cluster import run_scenario_script, ship_fake_engine
+from simulated_cluster import (
+    assert_exited,
+    run_scenario_script,
+    ship_fake_engine,
+    simulated_nodes,
+)
 
 
 class Layout(NamedTuple):
@@ -140,7 +144,7 @@ def test_generation_across_nodes_gives_the_models_outputs(
 def test_the_simulated_cluster_is_gone_afterwards(report: dict[str, Any]) -> None:
     assert report["nodes_alive_after_shutdown"] == [False] * (1 + WORKER_NODES)
     assert report["actor_pids"], "no worker was seen"
-    _assert_exited(report["actor_pids"])
+    assert_exited(report["actor_pids"])
 
 
 def test_more_entries_than_nodes_are_refused_not_packed_together(report: dict[str, Any]) -> None:
@@ -204,33 +208,13 @@ def _reference(model_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
     return {"generated": generated, "scores": scores}
 
 
-def _assert_exited(pids: list[int], within_s: float = 30.0) -> None:
-    """Every worker process of the simulated cluster exits (its raylet took it down)."""
-    deadline = time.monotonic() + within_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if running(pid)]
-        time.sleep(0.5)
-    assert not alive, f"worker processes {alive} outlived the simulated cluster"
-
-
 def _scenario(model_dir: str, log_dir: str) -> dict[str, Any]:
     """Start the simulated cluster, try every layout on it, shut it down; what happened."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
-    )
-    nodes = [cluster.head_node]
-    seen: dict[str, Any] = {"head": cluster.head_node.node_id, "layouts": {}, "actor_pids": []}
-    try:
-        for _ in range(WORKER_NODES):
-            nodes.append(cluster.add_node(**WORKER_NODE))
-        cluster.wait_for_nodes()
+    seen: dict[str, Any] = {"layouts": {}, "actor_pids": []}
+    with simulated_nodes(WORKER_NODES, seen, head_cpus=1, **WORKER_NODE) as (cluster, nodes):
+        seen["head"] = cluster.head_node.node_id
         seen["workers"] = [node.node_id for node in nodes[1:]]
         seen["start_s"] = time.monotonic() - started
         for layout in LAYOUTS:
@@ -239,12 +223,8 @@ def _scenario(model_dir: str, log_dir: str) -> dict[str, Any]:
                 cluster.address, layout, model_dir, log_dir, seen
             )
             seen["layouts"][layout.name]["seconds"] = time.monotonic() - began
-    finally:
-        began = time.monotonic()
-        ray.shutdown()
-        cluster.shutdown()
-        seen["shutdown_s"] = time.monotonic() - began
-    seen["nodes_alive_after_shutdown"] = [node.any_processes_alive() for node in nodes]
+        stopping = time.monotonic()
+    seen["shutdown_s"] = time.monotonic() - stopping
     return seen
 
 
