@@ -6,11 +6,17 @@ process can hold only one, so a scenario that builds a simulated cluster runs as
 subprocess, in a process group of its own. It gets its own Ray temp directory, so the address
 file the cluster writes cannot lead another ``ray.init()`` on this machine into the simulated
 cluster, and whatever it leaves running is killed with its group when it overruns.
+
+In the test's process: ``scenario_report`` runs a test module as that script and returns the
+report it wrote; ``assert_exited`` checks that the scenario's workers are gone. In the script's
+process: ``run_as_scenario`` is its main, ``simulated_nodes`` its cluster, and ``healing_fleet``
+a fleet of fake engines on it, one per node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -18,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +35,31 @@ from processes import running
 NODE_START_TIMEOUT = "The current node timed out during startup"
 
 
-def run_scenario_script(script: str, args: list[str], timeout_s: float) -> tuple[int, str]:
-    """Run ``script`` with ``args`` until it exits; its exit status and output.
+def scenario_report(script: str, model_dir: Path, work: Path, timeout_s: float) -> dict[str, Any]:
+    """Run ``script`` (a test module whose ``__main__`` calls ``run_as_scenario``) on the model
+    in ``model_dir``, its events and report under ``work``; the report it wrote.
 
     A second try only when a node missed Ray's fixed 30 s start-up deadline, which a busy machine
-    can make it miss; any other failure is returned as it is. A run past ``timeout_s`` kills the
-    whole process group (the script, its raylets and workers) and fails the test.
+    can make it miss; any other failure fails the test with the script's output. A run past
+    ``timeout_s`` kills the whole process group (the script, its raylets and workers) and fails
+    the test.
     """
+    args = [str(model_dir), str(work / "events"), str(work / "report.json")]
     for attempt in (1, 2):
         returncode, log = _run_once(script, args, timeout_s)
         if returncode == 0 or attempt == 2 or NODE_START_TIMEOUT not in log:
             break
         print(f"simulated cluster: a node timed out during start-up; trying again\n{log[-3000:]}")
-    return returncode, log
+    assert returncode == 0, f"{Path(script).name}'s scenario failed:\n{log[-8000:]}"
+    return json.loads((work / "report.json").read_text())
+
+
+def run_as_scenario(scenario: Callable[[str, str], dict[str, Any]]) -> None:
+    """A scenario script's main: ``scenario(model_dir, log_dir)``'s report, written where
+    ``scenario_report`` reads it (the command line holds the three paths)."""
+    _ship_fake_engine()
+    model_dir, log_dir, out = sys.argv[1:4]
+    Path(out).write_text(json.dumps(scenario(model_dir, log_dir)))
 
 
 def _run_once(script: str, args: list[str], timeout_s: float) -> tuple[int, str]:
@@ -74,7 +92,7 @@ def _run_once(script: str, args: list[str], timeout_s: float) -> tuple[int, str]
     return process.returncode, log
 
 
-def ship_fake_engine() -> None:
+def _ship_fake_engine() -> None:
     """In the scenario's process: send the fake engine's module to workers by value (they
     cannot import the tests' directory)."""
     import fake_vllm_engine
@@ -119,3 +137,36 @@ def assert_exited(pids: list[int], within_s: float = 30.0) -> None:
         alive = [pid for pid in alive if running(pid)]
         time.sleep(0.5)
     assert not alive, f"worker processes {alive} outlived the simulated cluster"
+
+
+def healing_fleet(
+    cluster: Any, model_dir: str, log_dir: str, replicas: int, *, wedge_s: float, restarts: int
+) -> tuple[Any, Any]:
+    """In the scenario's process: a healing ``VllmGeneration`` of ``replicas`` fake engines
+    on ``cluster``, one per node (one CPU each), keeping a copy of the committed weights;
+    ``(placement, backend)``, both for the caller to shut down."""
+    from fake_vllm_engine import FakeEngineFactory
+    from gen_testkit.conformance import conformance_config
+    from gen_vllm import RayVirtualCluster, VllmGeneration
+
+    placement = RayVirtualCluster(
+        [1] * replicas, use_gpus=False, num_cpus_per_bundle=1, address=cluster.address
+    )
+    config = conformance_config(
+        backend="vllm",
+        model_name=model_dir,
+        vocab_size=512,
+        max_new_tokens=64,
+        stop_token_ids=[],
+        vllm_cfg={
+            "weight_deltas": True,
+            "wedge_timeout_s": wedge_s,
+            "max_replica_restarts": restarts,
+        },
+    )
+    try:
+        backend = VllmGeneration(placement, config, engine_factory=FakeEngineFactory(log_dir))
+    except BaseException:
+        placement.shutdown()
+        raise
+    return placement, backend

@@ -21,8 +21,6 @@ The scenario runs in a subprocess (this file, run as a script; ``simulated_clust
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,8 +29,9 @@ from typing import Any
 import pytest
 from simulated_cluster import (
     assert_exited,
-    run_scenario_script,
-    ship_fake_engine,
+    healing_fleet,
+    run_as_scenario,
+    scenario_report,
     simulated_nodes,
 )
 
@@ -50,13 +49,7 @@ def report(tiny_qwen2, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("node_loss")
     started = time.monotonic()
-    returncode, log = run_scenario_script(
-        __file__,
-        [str(tiny_qwen2.path), str(work / "events"), str(work / "report.json")],
-        SCENARIO_TIMEOUT_S,
-    )
-    assert returncode == 0, f"node-loss scenario failed:\n{log[-6000:]}"
-    seen = json.loads((work / "report.json").read_text())
+    seen = scenario_report(__file__, tiny_qwen2.path, work, SCENARIO_TIMEOUT_S)
     print(
         f"\nnode-loss scenario: {time.monotonic() - started:.1f} s; the faulty call took "
         f"{seen['call_s']:.2f} s against {seen['clean_s']:.2f} s without the fault; node lost "
@@ -117,33 +110,13 @@ def _scenario(model_dir: str, log_dir: str) -> dict[str, Any]:
 
 def _on_fleet(cluster: Any, model_dir: str, log_dir: str, seen: dict[str, Any]) -> None:
     import torch
-    from fake_vllm_engine import FakeEngineFactory
     from gen_interface.weights import refit
-    from gen_testkit.conformance import conformance_config
     from gen_testkit.strategies import pad_prompts
-    from gen_vllm import RayVirtualCluster, VllmGeneration
     from refit_faults import perturbed_weights
     from safetensors.torch import load_file
 
     checkpoint = load_file(str(Path(model_dir) / "model.safetensors"))
-    placement = RayVirtualCluster(
-        [1, 1], use_gpus=False, num_cpus_per_bundle=1, address=cluster.address, name="nodeloss"
-    )
-    config = conformance_config(
-        backend="vllm",
-        model_name=model_dir,
-        vocab_size=512,
-        max_new_tokens=64,
-        stop_token_ids=[],
-        vllm_cfg={"weight_deltas": True, "wedge_timeout_s": WEDGE_S, "max_replica_restarts": 4},
-    )
-    try:
-        backend = VllmGeneration(
-            placement, config, "nodeloss", engine_factory=FakeEngineFactory(log_dir)
-        )
-    except BaseException:
-        placement.shutdown()
-        raise
+    placement, backend = healing_fleet(cluster, model_dir, log_dir, 2, wedge_s=WEDGE_S, restarts=4)
     pids = {info["pid"] for info in backend.replicas.infos}
     try:
         seen["nodes_before"] = [info["node_id"] for info in backend.replicas.infos]
@@ -222,6 +195,4 @@ def _scores(actors: list[Any], sequence: list[int]) -> list[list[float]]:
 
 
 if __name__ == "__main__":
-    ship_fake_engine()
-    model_dir, log_dir, out = sys.argv[1:4]
-    Path(out).write_text(json.dumps(_scenario(model_dir, log_dir)))
+    run_as_scenario(_scenario)

@@ -20,12 +20,10 @@ to see the figures. The loop runs in a subprocess (this file, run as a script;
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,8 +32,9 @@ from typing import Any
 import pytest
 from simulated_cluster import (
     assert_exited,
-    run_scenario_script,
-    ship_fake_engine,
+    healing_fleet,
+    run_as_scenario,
+    scenario_report,
     simulated_nodes,
 )
 
@@ -54,13 +53,7 @@ def test_a_simulated_fleet_under_random_faults_returns_what_a_fault_free_fleet_d
 ):
     pytest.importorskip("ray")
     pytest.importorskip("vllm")
-    returncode, log = run_scenario_script(
-        __file__,
-        [str(tiny_qwen2.path), str(tmp_path / "events"), str(tmp_path / "report.json")],
-        TIMEOUT_S,
-    )
-    assert returncode == 0, f"the simulated fleet failed:\n{log[-8000:]}"
-    seen = json.loads((tmp_path / "report.json").read_text())
+    seen = scenario_report(__file__, tiny_qwen2.path, tmp_path, TIMEOUT_S)
     metrics, faults = seen["metrics"], seen["faults"]
     heal = seen["heal_seconds"] or [0.0]  # none when every fault was a slow one
     print(
@@ -105,33 +98,15 @@ def _loop_on_fleet(
     cluster: Any, nodes: list[Any], model_dir: str, log_dir: str, seen: dict[str, Any]
 ) -> None:
     import torch
-    from fake_vllm_engine import FakeEngineFactory
     from gen_interface.weights import refit
-    from gen_testkit.conformance import conformance_config
     from gen_testkit.strategies import pad_prompts
-    from gen_vllm import RayVirtualCluster, VllmGeneration
     from refit_faults import perturbed_weights
     from safetensors.torch import load_file
 
     checkpoint = load_file(str(Path(model_dir) / "model.safetensors"))
-    placement = RayVirtualCluster(
-        [1] * SIZE, use_gpus=False, num_cpus_per_bundle=1, address=cluster.address, name="sim"
+    placement, backend = healing_fleet(
+        cluster, model_dir, log_dir, SIZE, wedge_s=WEDGE_S, restarts=100
     )
-    config = conformance_config(
-        backend="vllm",
-        model_name=model_dir,
-        vocab_size=512,
-        max_new_tokens=64,
-        stop_token_ids=[],
-        vllm_cfg={"weight_deltas": True, "wedge_timeout_s": WEDGE_S, "max_replica_restarts": 100},
-    )
-    try:
-        backend = VllmGeneration(
-            placement, config, "sim", engine_factory=FakeEngineFactory(log_dir)
-        )
-    except BaseException:
-        placement.shutdown()
-        raise
     rng = random.Random(41)
     batch = pad_prompts(PROMPTS, "left")
     pids = {info["pid"] for info in backend.replicas.infos}
@@ -228,6 +203,4 @@ def _inject(
 
 
 if __name__ == "__main__":
-    ship_fake_engine()
-    model_dir, log_dir, out = sys.argv[1:4]
-    Path(out).write_text(json.dumps(_simulation(model_dir, log_dir)))
+    run_as_scenario(_simulation)

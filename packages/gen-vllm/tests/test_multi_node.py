@@ -25,8 +25,6 @@ once for the module.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,8 +32,8 @@ from typing import Any, NamedTuple
 import pytest
 from simulated_cluster import (
     assert_exited,
-    run_scenario_script,
-    ship_fake_engine,
+    run_as_scenario,
+    scenario_report,
     simulated_nodes,
 )
 
@@ -169,13 +167,7 @@ def _entry_nodes(report: dict[str, Any], layout: Layout) -> list[str]:
 def _run_scenario(model_dir: Path, work: Path) -> dict[str, Any]:
     """Run this file as a script on a simulated cluster of its own; its JSON report."""
     started = time.monotonic()
-    returncode, log = run_scenario_script(
-        __file__,
-        [str(model_dir), str(work / "events"), str(work / "report.json")],
-        SCENARIO_TIMEOUT_S,
-    )
-    assert returncode == 0, f"multi-node scenario failed:\n{log[-6000:]}"
-    seen = json.loads((work / "report.json").read_text())
+    seen = scenario_report(__file__, model_dir, work, SCENARIO_TIMEOUT_S)
     seconds = {name: round(layout["seconds"], 1) for name, layout in seen["layouts"].items()}
     print(
         f"multi-node scenario: {time.monotonic() - started:.1f} s (cluster start "
@@ -357,6 +349,4 @@ def _rank_place(
 
 
 if __name__ == "__main__":
-    ship_fake_engine()
-    model_dir, log_dir, out = sys.argv[1:4]
-    Path(out).write_text(json.dumps(_scenario(model_dir, log_dir)))
+    run_as_scenario(_scenario)
