@@ -230,8 +230,8 @@ class UpdatableVllmInternalWorker:
         if draft_model_config(getattr(self, "vllm_config", None)) is None or drafter is None:
             return None
         pending = getattr(self.weight_transfer_engine, "drafter", None)
-        if pending:
-            return combine_checksums([1, weights_checksum(sorted(pending.items()))])
+        if pending:  # tagged: never equal to a loaded drafter's by construction
+            return combine_checksums([_PENDING_DRAFTER, weights_checksum(pending.items())])
         named = [
             (name, tensor)
             for name, tensor in [*drafter.named_parameters(), *drafter.named_buffers()]
@@ -252,6 +252,9 @@ class UpdatableVllmInternalWorker:
         ]
         return weights_checksum(named)
 
+
+#: Marks ``drafter_checksum``'s form for tensors waiting for the commit.
+_PENDING_DRAFTER = 1
 
 #: Rows of the fixed input every packed layer computes on for ``packed_layers_checksum``.
 _FINGERPRINT_ROWS = 4

@@ -23,7 +23,9 @@ from typing import Any, cast
 import torch
 from gen_backend_kit.lora import is_adapter_weight
 from gen_backend_kit.weights import CommittedWeights
+from gen_interface import WeightUpdateError
 from gen_interface.weights.collective import CollectiveEndpoint, WeightGroup, join_weight_group
+from gen_interface.weights.delta import TensorDelta
 from gen_interface.weights.handles import TensorSlot
 from gen_interface.weights.layout import Entry
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
@@ -139,11 +141,16 @@ class GenWeightTransferEngine(WeightTransferEngine[GenInitInfo, GenUpdateInfo]):
             WeightUpdateError (while iterating): a drafter tensor arrived as a delta.
         """
         for slot, entry in entries:
-            if not is_drafter_weight(slot["name"]):
+            name = slot["name"]
+            if not is_drafter_weight(name):
                 yield slot, entry
-                continue
-            for name, tensor in whole_tensors(iter([(slot, entry)])):
-                self.drafter[name] = tensor.to(self.device, copy=True)
+            elif isinstance(entry, TensorDelta):
+                raise WeightUpdateError(
+                    f"weight {name!r} arrived as a delta: the drafter's tensors are taken whole "
+                    "(the copy of the committed weights is a base for the target's only)"
+                )
+            else:
+                self.drafter[name] = entry.to(self.device, copy=True)
 
     def _keep_aside(
         self, tensors: Iterator[tuple[str, torch.Tensor]]
