@@ -9,8 +9,9 @@ cluster, and whatever it leaves running is killed with its group when it overrun
 
 In the test's process: ``scenario_report`` runs a test module as that script and returns the
 report it wrote; ``assert_exited`` checks that the scenario's workers are gone. In the script's
-process: ``run_as_scenario`` is its main, ``simulated_nodes`` its cluster, and ``healing_fleet``
-a fleet of fake engines on it, one per node.
+process: ``run_as_scenario`` is its main, ``simulated_nodes`` its cluster, ``healing_fleet``
+a fleet of fake engines on it, one per node, and ``busy_replica`` / ``remove_node_of`` pick a
+replica holding rows and lose its node.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -170,3 +173,22 @@ def healing_fleet(
         placement.shutdown()
         raise
     return placement, backend
+
+
+def busy_replica(backend: Any, call: threading.Thread, rng: random.Random) -> int | None:
+    """A random replica whose engine holds rows of the running ``call``; None if the call
+    ended first."""
+    while call.is_alive():
+        members = backend.replicas.member_ids()
+        busy = [r for r, n in zip(members, backend.rows_in_flight()) if n]
+        if busy:
+            return rng.choice(busy)
+        time.sleep(0.01)
+    return None
+
+
+def remove_node_of(cluster: Any, backend: Any, replica: int) -> str:
+    """Lose ``replica``'s node: its raylet and every process on it stop. Returns its id."""
+    node_id = backend.replicas.infos[replica]["node_id"]
+    cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == node_id))
+    return node_id

@@ -21,6 +21,7 @@ The scenario runs in a subprocess (this file, run as a script; ``simulated_clust
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -29,7 +30,9 @@ from typing import Any
 import pytest
 from simulated_cluster import (
     assert_exited,
+    busy_replica,
     healing_fleet,
+    remove_node_of,
     run_as_scenario,
     scenario_report,
     simulated_nodes,
@@ -130,11 +133,10 @@ def _on_fleet(cluster: Any, model_dir: str, log_dir: str, seen: dict[str, Any]) 
         call = threading.Thread(target=lambda: out.update(result=backend.generate(batch)))
         started = time.monotonic()
         call.start()
-        victim = _busy_replica(backend, call)
+        victim = busy_replica(backend, call, random.Random(0))
         assert victim is not None, "the call ended before a replica held its rows"
-        lost = seen["removed_node"] = backend.replicas.infos[victim]["node_id"]
         lost_at = time.monotonic()
-        cluster.remove_node(next(node for node in cluster.worker_nodes if node.node_id == lost))
+        seen["removed_node"] = remove_node_of(cluster, backend, victim)
         call.join(timeout=180)
         seen["call_s"] = time.monotonic() - started
         seen["call_returned"] = "result" in out
@@ -168,17 +170,6 @@ def _on_fleet(cluster: Any, model_dir: str, log_dir: str, seen: dict[str, Any]) 
         backend.shutdown()
         placement.shutdown()
         seen["pids"] = sorted(pids)
-
-
-def _busy_replica(backend: Any, call: threading.Thread) -> int | None:
-    """A replica whose engine holds rows of the running call; None if the call ended first."""
-    while call.is_alive():
-        members = backend.replicas.member_ids()
-        busy = [r for r, n in zip(members, backend.rows_in_flight()) if n]
-        if busy:
-            return busy[-1]
-        time.sleep(0.01)
-    return None
 
 
 def _replica_versions(backend: Any) -> list[int]:

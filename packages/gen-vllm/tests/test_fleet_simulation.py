@@ -32,7 +32,9 @@ from typing import Any
 import pytest
 from simulated_cluster import (
     assert_exited,
+    busy_replica,
     healing_fleet,
+    remove_node_of,
     run_as_scenario,
     scenario_report,
     simulated_nodes,
@@ -140,7 +142,7 @@ def _loop_on_fleet(
                 call = threading.Thread(target=_run_into, args=(out, backend, batch))
                 call.start()
                 time.sleep(rng.uniform(0.0, 0.2))
-                victim = _busy_replica(backend, rng, call)  # a replica holding rows of the call
+                victim = busy_replica(backend, call, rng)  # a replica holding rows of the call
                 if victim is not None:
                     _inject(kind, victim, backend, cluster, nodes, rng)
                     faults[kind] += 1
@@ -175,17 +177,6 @@ def _run_into(out: dict[str, Any], backend: Any, batch: Any) -> None:
     out["result"] = backend.generate(batch)
 
 
-def _busy_replica(backend: Any, rng: random.Random, call: threading.Thread) -> int | None:
-    """A random replica whose engine holds rows now; None if the call ended first."""
-    while call.is_alive():
-        members = backend.replicas.member_ids()
-        busy = [r for r, n in zip(members, backend.rows_in_flight()) if n]
-        if busy:
-            return rng.choice(busy)
-        time.sleep(0.01)
-    return None
-
-
 def _inject(
     kind: str, victim: int, backend: Any, cluster: Any, nodes: list[Any], rng: random.Random
 ) -> None:
@@ -196,7 +187,7 @@ def _inject(
         time.sleep(rng.uniform(0.5, WEDGE_S / 5))
         os.kill(info["pid"], signal.SIGCONT)
     elif kind == "node":  # its machine is lost; a fresh one joins, so a node stays spare
-        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == info["node_id"]))
+        remove_node_of(cluster, backend, victim)
         nodes.append(cluster.add_node(num_cpus=1))
     else:
         os.kill(info["pid"], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)

@@ -338,8 +338,7 @@ class Fleet:
         one node; else relayed first to the actor's node (``relay_shared_weights``: Ray's
         object store, a bucket at a time, every checksum kept), and those segments removed
         after the load, whatever its outcome."""
-        peer_node = self.replicas.infos[peer].get("node_id", "")
-        if peer_node == info.get("node_id", ""):
+        if self.replicas.infos[peer]["node_id"] == info["node_id"]:
             return self._load(actor, handles, version)
         relayed = self._get(
             actor.relay_shared_weights.remote(self.replicas.actors[peer], handles),

@@ -72,12 +72,13 @@ def verify_update(outcomes: Sequence[list[UpdateReport] | GenerationError]) -> l
                 f"tensor-parallel rank {rank} holds different weights on different replicas "
                 "after loading the same update"
             )
-        _check_packed(rank, same_rank)
+        _check_kernel_bound(rank, same_rank)
     return [rank for replica in reports for rank in replica]
 
 
-def _check_packed(rank: int, same_rank: Sequence[UpdateReport]) -> None:
-    """Ranks on the same kind of kernel must compute the same on the fixed input."""
+def _check_kernel_bound(rank: int, same_rank: Sequence[UpdateReport]) -> None:
+    """Ranks on the same kind of kernel must compute the same on the fixed input and hold the
+    same drafter model."""
     by_kernel: dict[str, set[tuple[int | None, int | None]]] = {}
     for report in same_rank:
         by_kernel.setdefault(report["kernel"], set()).add(_kernel_bound(report))

@@ -30,8 +30,9 @@ __all__ = ["bucket_bytes", "rehosted_bucket", "rehosted_handles"]
 
 
 def bucket_bytes(handles: Mapping[str, Any], index: int) -> np.ndarray:
-    """Run where ``handles`` were shared: bucket ``index``'s bytes, copied out of its segment
-    (uint8 ``[nbytes]``), so the producer may release the segment while they travel.
+    """Run where ``handles`` were shared: bucket ``index``'s bytes (uint8 ``[nbytes]``), a view
+    of its segment, mapped, not copied: whatever carries them copies them once (Ray's return
+    puts them in its object store), and the mapping outlives a release of the segment.
 
     Raises:
         WeightUpdateError: ``index`` is not a bucket of ``handles``; the bucket is not in
@@ -46,7 +47,7 @@ def bucket_bytes(handles: Mapping[str, Any], index: int) -> np.ndarray:
             f"only shared-memory buckets are relayed between machines, bucket {index} is "
             f"{bucket['transport']!r}"
         )
-    return map_bucket(handles, bucket).numpy().copy()
+    return map_bucket(handles, bucket).numpy()
 
 
 def rehosted_bucket(bucket: Mapping[str, Any], data: np.ndarray) -> WeightBucket:
