@@ -47,6 +47,7 @@ from gen_testkit.servers import (
     gen_serve_command,
     vllm_serve_command,
 )
+from quiet import wait_until_quiet
 from workloads import Work, random_requests
 
 _NAME = "bench"
@@ -185,6 +186,7 @@ def measure(names: list[str], model: TinyModel, args: argparse.Namespace, config
             for round_ in range(args.pairs):
                 for name, server in servers.items():
                     requests = work[:concurrency]
+                    wait_until_quiet()  # vLLM's worker polls for a second after a run
                     run = asyncio.run(run_workload(server.url, requests, args.timeout))
                     runs.setdefault((name, concurrency), []).append(run)
                     print(

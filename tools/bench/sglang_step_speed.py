@@ -46,6 +46,7 @@ import httpx
 import torch
 from gen_interface import BatchedDataDict, create_generation_backend
 from gen_testkit.models import build_tiny_model
+from quiet import wait_until_quiet
 from workloads import Work, left_padded, random_requests, sampled_config
 
 
@@ -187,7 +188,9 @@ def measure(args: argparse.Namespace) -> list[Figure]:
                 plain.run(work)  # warm-up, each side
                 ours.run(work)
                 for pair in range(args.pairs):
+                    wait_until_quiet()  # a server may keep polling after a run
                     theirs_s, theirs_n = plain.run(work)
+                    wait_until_quiet()
                     ours_s, ours_n = ours.run(work)
                     print(
                         f"  batch {size}, pair {pair + 1}: SGLang {theirs_n} tokens in "

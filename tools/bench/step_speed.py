@@ -49,6 +49,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 from gen_interface import BatchedDataDict
 from gen_testkit.models import build_tiny_model
+from quiet import wait_until_quiet
 from workloads import left_padded, sampled_config
 
 T = TypeVar("T")
@@ -251,7 +252,9 @@ def measure(model_name: str, args: argparse.Namespace) -> list[Figure]:
                 bare.run(mode, prompts, args.new)  # warm-up, each side
                 ours.run(mode, batch)
                 for _ in range(args.pairs):
+                    wait_until_quiet()  # vLLM's worker polls for a second after a run
                     figure.bare_seconds.append(bare.run(mode, prompts, args.new))
+                    wait_until_quiet()
                     seconds, metrics = ours.run(mode, batch)
                     figure.ours_seconds.append(seconds)
                     if "step_to_caller_seconds_p50" in metrics:
