@@ -150,3 +150,23 @@ def test_a_session_leaves_a_replica_its_load_does_not_allow():
     replicas.placed.clear()
     _call(router, ["a", "a"], cost=AFFINITY_SLACK_TOKENS + 1)
     assert [r for _, r in replicas.placed] == [1 - home, home]
+
+
+def test_calls_submitted_in_one_turn_of_the_loop_go_out_in_one_add_rows_per_replica():
+    """A burst of one-row calls (a server taking its requests) costs one message per replica,
+    not one per call, and every call still gets its own row back."""
+    replicas = FakeReplicas(2, finish_at_once=True)
+    router = RowRouter(replicas, capacity=8)  # type: ignore[arg-type]
+
+    async def one(i: int) -> list[int]:
+        request = RowRequest(f"one-{i}", [1, 2], {"max_tokens": 4})
+        loop = asyncio.get_running_loop()
+        return [j async for d in router.run([request], [4], 5.0, loop) for j, _ in d.items]
+
+    async def burst() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i) for i in range(10))))
+
+    assert asyncio.run(burst()) == [[0]] * 10
+    assert replicas.add_calls == 2
+    assert sorted(r for _, r in replicas.placed) == [0] * 5 + [1] * 5
+    assert router.rows == [0, 0]

@@ -95,7 +95,7 @@ def test_each_call_gets_its_own_rows_tokens_before_their_results_in_one_batch_pe
         [(1, "RowOutput")],
     ]
     assert got_b == [[(0, "RowOutput")]], "a row that does not stream gets no tokens"
-    assert replicas.add_calls == 2, "one call to add each call's rows"
+    assert replicas.add_calls == 1, "both calls, started in one turn, add their rows together"
 
 
 def test_rows_of_a_replica_that_dies_fail_their_call_with_a_generation_error():

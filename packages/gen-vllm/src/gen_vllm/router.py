@@ -2,12 +2,14 @@
 back through one stream per replica as they finish.
 
 A call's rows are spread over the replicas by their outstanding work and sent to each replica
-in one ``add_rows`` call. Each replica pushes what its engine produces through one stream
-(``VllmGenerationWorker.outputs``): one message per engine step for all its rows, whichever
-calls they belong to. One reader per replica hands each finished row (and each new token of a
-row that streams) straight to its call's event loop: per message, one hand-over per caller's
-loop, carrying every call's part. So nothing on the token path costs a Ray call per row, per
-token or per poll, nor a thread wake-up per call.
+in one ``add_rows`` call; calls that arrive while the driver's loop is busy go out together,
+one ``add_rows`` per replica for all of them (a burst of one-row calls, as a server takes its
+requests, costs a few messages rather than one each). Each replica pushes what its engine
+produces through one stream (``VllmGenerationWorker.outputs``): one message per engine step
+for all its rows, whichever calls they belong to. One reader per replica hands each finished
+row (and each new token of a row that streams) straight to its call's event loop: per message,
+one hand-over per caller's loop, carrying every call's part. So nothing on the token path costs
+a Ray call per row, per token or per poll, nor a thread wake-up per call.
 
 A replica takes at most ``capacity`` rows at once (its engine's ``max_num_seqs``); rows beyond
 that wait here and go to whichever replica frees a slot first, so uneven row lengths even out
@@ -149,6 +151,7 @@ class RowRouter:
         self._readers: list[asyncio.Task[None] | None] = [None] * len(replicas)
         self._lost: list[GenerationError | None] = [None] * len(replicas)
         self._queued: deque[_Call] = deque()  # calls with rows waiting for room, oldest first
+        self._dispatch_due = False  # a dispatch of newly submitted calls is scheduled
 
     async def run(
         self,
@@ -198,11 +201,19 @@ class RowRouter:
     # ---- dispatch (on the driver's loop) -----------------------------------------------------
 
     def _submit(self, call: _Call) -> None:
+        """Queue a new call; its rows go out at the loop's next turn, with those of every call
+        submitted before then."""
         if call.over:
             return
         if self._health is not None and self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch())
         self._queued.append(call)
+        if not self._dispatch_due:
+            self._dispatch_due = True
+            asyncio.get_running_loop().call_soon(self._dispatch_submitted)
+
+    def _dispatch_submitted(self) -> None:
+        self._dispatch_due = False
         self._dispatch()
 
     def _dispatch(self) -> None:
