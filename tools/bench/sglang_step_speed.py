@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench/sglang_step_speed.py [--model bench-step] [--batches 1,64]
         [--pairs 5] [--new 16,128] [--prompt 8,96] [--timeout 300] [--json FILE]
+        [--plain-threads sglang|ours]
 
 On a testkit model (``bench-step``, the default: the Llama of hidden 128 whose decode step over
 64 rows takes a GPU's order of time on two cores; ``bench-50m`` for the older, slow-step model),
@@ -13,7 +14,10 @@ port:
   server by ``RowSampler``, gen-sglang's logit processor, from a generator seeded with the
   row's seed, each token's logprob and weight version reported);
 - ``sglang``: a plain server started with the very arguments and environment gen-sglang starts
-  its own with (``gen_sglang.backend._server_args``), less ``--enable-custom-logit-processor``,
+  its own with (``gen_sglang.server_args``), less ``--enable-custom-logit-processor`` and, by
+  default, less gen-sglang's thread count (``sglang_cfg.cpu_threads``: every core but one), so
+  the forward pass runs on every core as SGLang sets it (``--plain-threads ours`` gives it
+  gen-sglang's count, which isolates what the layer adds from the thread count's effect),
   driven as SGLang's RL clients drive it (slime, AReaL): one non-streamed ``/generate`` whose
   ``input_ids`` is the batch's list and whose ``sampling_params`` is a list of each row's
   settings (SGLang's own sampler, temperature 1), ``return_logprob`` on (one logprob per token,
@@ -60,6 +64,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument(
+        "--plain-threads",
+        choices=("sglang", "ours"),
+        default="sglang",
+        help="the plain server's forward-pass threads: SGLang's default (every core) or "
+        "gen-sglang's (sglang_cfg.cpu_threads: every core but one)",
+    )
     return parser.parse_args()
 
 
@@ -114,12 +125,14 @@ class Ours:
 
 
 class Plain:
-    """A plain SGLang server: gen-sglang's arguments and environment, no logit processor."""
+    """A plain SGLang server: gen-sglang's arguments and environment, no logit processor, and
+    the forward pass's threads as SGLang sets them (``threads="sglang"``: every core) or as
+    gen-sglang does (``"ours"``)."""
 
-    def __init__(self, ours: Ours, timeout_s: float):
-        from gen_sglang.environment import managed_python, support_dir
+    def __init__(self, ours: Ours, timeout_s: float, threads: str = "sglang"):
+        from gen_sglang.environment import managed_python
         from gen_sglang.server import SglangServer
-        from gen_sglang.server_args import server_args
+        from gen_sglang.server_args import server_args, server_env
 
         backend = ours.backend
         args = server_args(
@@ -130,11 +143,9 @@ class Plain:
             kv_bytes=backend._kv_bytes_per_token,
         )
         args.remove("--enable-custom-logit-processor")
-        env = {
-            "PYTHONPATH": ":".join(support_dir(cpu=True)),
-            "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
-            "SGLANG_USE_CPU_ENGINE": "1",
-        }
+        env = server_env(backend.config["sglang_cfg"], cpu=True)
+        if threads == "sglang":
+            del env["OMP_NUM_THREADS"]
         model = str(backend.config["model_name"])
         self.server = SglangServer(managed_python(), model, args, env, name="plain SGLang")
         self.server.wait_ready(600)
@@ -180,7 +191,7 @@ def measure(args: argparse.Namespace) -> list[Figure]:
     ours = Ours(str(model.path), high)
     figures = []
     try:
-        plain = Plain(ours, args.timeout)
+        plain = Plain(ours, args.timeout, args.plain_threads)
         try:
             for size in (int(b) for b in args.batches.split(",")):
                 work = workload(args, size, model.vocab_size)

@@ -25,6 +25,7 @@ class TestSglangConfigSchema(ConfigSchemaChecks):
             "num_replicas": st.integers(1, 64),
             "device": st.sampled_from(["auto", "cpu", "cuda"]),
             "kv_cache_gib": st.none() | st.floats(0.001, 64.0),
+            "cpu_threads": st.none() | st.integers(1, 64),
             "mem_fraction_static": st.none() | st.floats(0.01, 1.0),
             "max_total_tokens": st.none() | st.integers(2, 10**6),
             "context_length": st.none() | st.integers(2, 10**6),
@@ -69,3 +70,12 @@ def test_what_sglang_does_not_offer_is_refused_by_name_before_a_server_starts(
 def test_a_model_that_is_not_a_local_directory_is_refused_with_what_to_do(tmp_path):
     with pytest.raises(GenerationConfigError, match="local Hugging Face model directory"):
         SglangGeneration({"backend": "sglang", "model_name": str(tmp_path / "missing")})
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2", True])
+def test_cpu_threads_that_are_not_a_positive_integer_are_refused_by_name(threads):
+    refused = r"sglang_cfg\.cpu_threads`? must be an integer"
+    with pytest.raises(GenerationConfigError, match=refused):
+        complete_sglang_config(
+            configure_generation_config({**BASE, "sglang_cfg": {"cpu_threads": threads}}, None)
+        )

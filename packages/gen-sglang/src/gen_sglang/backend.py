@@ -48,13 +48,13 @@ from gen_interface.config import GENERATION_CONFIG_DEFAULTS
 from gen_sglang.checkpoint import ModelFacts, StagedCheckpoint, read_model_facts, serving_dir
 from gen_sglang.client import FleetClient
 from gen_sglang.config import SglangConfig, complete_sglang_config
-from gen_sglang.environment import managed_python, support_dir
+from gen_sglang.environment import managed_python
 from gen_sglang.fleet import ServerFleet
 from gen_sglang.kv_cache import kv_bytes_per_token
 from gen_sglang.routing import RowRouter
 from gen_sglang.rows import RowStream, batch_body, generate_body, score_body, scored_row
 from gen_sglang.server import SglangServer
-from gen_sglang.server_args import server_args
+from gen_sglang.server_args import server_args, server_env
 from gen_sglang.server_weights import ServerWeights
 from gen_sglang.text import SglangTextCodec
 
@@ -327,11 +327,7 @@ class SglangGeneration(GenerationBackend):
             tokenizer=self._facts.has_tokenizer,
             kv_bytes=self._kv_bytes_per_token,
         )
-        env = {"PYTHONPATH": ":".join(support_dir(cpu=cpu))}
-        # Greedy rows report raw logprobs (sampled rows report RowSampler's own).
-        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-        if cpu:
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env = server_env(settings, cpu=cpu)
         assert self._staged is not None
         model = str(serving_dir(Path(config["model_name"]), self._staged.root))
 

@@ -20,6 +20,9 @@ class SglangSettings(TypedDict, total=False):
     num_replicas: int  # servers, each with the whole model; rows are spread over them (1)
     device: Device  # "auto": cuda when this machine has a GPU, else cpu ("auto")
     kv_cache_gib: float | None  # KV cache per server, GiB; None: 0.25 on the CPU, SGLang's sizing
+    # CPU: threads of each server's forward pass; None: the cores of its share of the machine
+    # but one (at least 1), left to the server's HTTP side and this process (None)
+    cpu_threads: int | None
     max_total_tokens: int | None  # caps the KV cache's tokens further; None: no cap
     mem_fraction_static: float | None  # SGLang's; None: 1 on the CPU, SGLang's default else
     context_length: int | None  # prompt + generation at most; None: the model's
@@ -43,6 +46,7 @@ SGLANG_CFG_DEFAULTS: SglangSettings = {
     "num_replicas": 1,
     "device": "auto",
     "kv_cache_gib": None,
+    "cpu_threads": None,
     "max_total_tokens": None,
     "mem_fraction_static": None,
     "context_length": None,
@@ -82,6 +86,8 @@ def complete_sglang_config(config: Mapping[str, Any]) -> SglangConfig:
             f"sglang_cfg.device must be 'auto', 'cpu' or 'cuda', got {cfg['device']!r}"
         )
     check_int_setting(cfg, "sglang_cfg", "num_replicas")
+    if cfg["cpu_threads"] is not None:
+        check_int_setting(cfg, "sglang_cfg", "cpu_threads")
     for key in ("max_total_tokens", "context_length"):
         if cfg[key] is not None:
             check_int_setting(cfg, "sglang_cfg", key, minimum=2)

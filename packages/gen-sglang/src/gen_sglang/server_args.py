@@ -1,11 +1,15 @@
-"""The command-line flags gen-sglang starts its SGLang servers with, from the config."""
+"""The command-line flags and the environment gen-sglang starts its SGLang servers with, from
+the config."""
 
 from __future__ import annotations
 
-from gen_sglang.config import SglangConfig
+import os
+
+from gen_sglang.config import SglangConfig, SglangSettings
+from gen_sglang.environment import support_dir
 from gen_sglang.kv_cache import kv_cache_args
 
-__all__ = ["server_args"]
+__all__ = ["cpu_forward_threads", "server_args", "server_env"]
 
 
 def server_args(
@@ -32,3 +36,31 @@ def server_args(
     if not tokenizer:
         args.append("--skip-tokenizer-init")
     return args + list(settings["extra_args"])
+
+
+def server_env(settings: SglangSettings, *, cpu: bool) -> dict[str, str]:
+    """The variables an SGLang server starts with, beside this process's own: the support
+    directory on its path (``RowSampler``, the CPU shims); raw logprobs for greedy rows (sampled
+    rows report ``RowSampler``'s own); on the CPU, SGLang's CPU engine and the forward pass's
+    threads (``cpu_forward_threads``)."""
+    env = {"PYTHONPATH": ":".join(support_dir(cpu=cpu)), "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        threads = cpu_forward_threads(settings["num_replicas"], settings["cpu_threads"])
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def cpu_forward_threads(replicas: int, asked: int | None) -> int:
+    """The threads of each CPU server's forward pass: ``asked`` (``sglang_cfg.cpu_threads``),
+    else the cores of one server's share of this machine but one, at least one.
+
+    SGLang's forward pass on the CPU runs on every core by default; its threads wait for each
+    other at every parallel operation, so whenever the server's HTTP side, its detokenizer or
+    this process takes a core, the whole pass waits, and the waiting threads spin. Measured on
+    two cores at batch 64 (``tools/bench/sglang_step_speed.py``): with two threads the scheduler
+    spent 5.3 CPU seconds on a run it finished in 2.0 with one, which took the run from 3.1 s to
+    2.0-2.2 s.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return asked or max(1, (cores or 1) // max(1, replicas) - 1)
