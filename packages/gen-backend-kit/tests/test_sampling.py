@@ -163,3 +163,78 @@ def test_tiny_temperatures_count_as_greedy(temperature):
 
     assert is_greedy(temperature, greedy=False)
     assert not is_greedy(0.5, greedy=False)
+
+
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.integers(2, 2000),
+    scale=st.floats(0.0, 12.0),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**63 - 1),
+    steps=st.integers(1, 3),
+)
+def test_sampled_rows_draw_what_multinomial_draws_from_their_generators(
+    rows, vocab, scale, masked, seed, steps
+):
+    """The batched draw is torch's own ``multinomial``, row by row: the same tokens, and the
+    generators left in the same states (so every later step agrees too). A wrong draw (another
+    noise, a shared generator, a different reduction) changes tokens and states."""
+    torch.manual_seed(seed % 2**32)
+    logits = torch.randn(rows, vocab) * scale
+    if masked:  # filtered tokens hold -inf, as top-k and top-p leave them
+        logits[:, : vocab // 2] = float("-inf")
+    settings = [_sampled_row(seed=seed + r) for r in range(rows)]
+    ours = row_generators([seed + r for r in range(rows)])
+    theirs = row_generators([seed + r for r in range(rows)])
+    for _ in range(steps):
+        chosen = select_next_tokens(logits, settings, processed=True, generators=ours).tokens
+        filtered = processed_log_probs(logits, torch.ones(rows))
+        expected = [
+            int(torch.multinomial(filtered[r].exp(), 1, generator=theirs[r])) for r in range(rows)
+        ]
+        assert chosen.tolist() == expected
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.get_state(), b.get_state())
+
+
+def test_a_row_whose_logits_are_not_finite_is_refused_as_multinomial_refuses_it():
+    logits = torch.zeros(2, 8)
+    logits[1, 3] = float("nan")
+    generators = row_generators([1, 2])
+    with pytest.raises(RuntimeError, match=r"inf.*nan"):
+        select_next_tokens(
+            logits, [_sampled_row(1), _sampled_row(2)], processed=False, generators=generators
+        )
+
+
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 500),
+    seed=st.integers(0, 2**32 - 1),
+    min_p=st.sampled_from([0.0, 0.05]),
+)
+def test_without_top_k_or_top_p_the_distribution_is_the_sorted_path_s_bit_for_bit(
+    rows, vocab, seed, min_p
+):
+    """No top-k and no top-p skip the vocabulary sort; a top-k of the whole vocabulary goes
+    through it and filters nothing, so both must give the same bits."""
+    torch.manual_seed(seed)
+    logits = torch.randn(rows, vocab) * 4
+    temperature = torch.rand(rows) + 0.25
+    fast = processed_log_probs(logits, temperature, None, 1.0, min_p)
+    sorted_path = processed_log_probs(logits, temperature, vocab, 1.0, min_p)
+    assert torch.equal(fast, sorted_path)
+
+
+def _sampled_row(seed: int) -> RowSampling:
+    return RowSampling(
+        max_new_tokens=1,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        stop_token_ids=(),
+        stop_strings=(),
+        seed=seed,
+        min_p=0.0,
+        top_logprobs=0,
+    )

@@ -53,13 +53,17 @@ def processed_log_probs(
     if bool((floor > 0).any()):
         probs = scaled.softmax(dim=-1)
         scaled = scaled.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * floor, float("-inf"))
-    sorted_logits, order = scaled.sort(dim=-1, descending=False)
     ks = _per_row_top_k(top_k, n)
+    p = torch.as_tensor(top_p, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
+    if all(k is None for k in ks) and not bool((p < 1).any()):
+        # Neither top-k nor top-p: the sort below and its inverse scatter would give back
+        # ``scaled`` bit for bit, at the price of sorting every row's vocabulary.
+        return scaled.log_softmax(dim=-1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=False)
     if any(k is not None for k in ks):
         k_tensor = torch.tensor([vocab if k is None else min(k, vocab) for k in ks])
         kth = sorted_logits.gather(1, (vocab - k_tensor).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    p = torch.as_tensor(top_p, dtype=torch.float32).reshape(-1, 1).expand(n, 1)
     if bool((p < 1).any()):
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative <= 1 - p
@@ -119,15 +123,29 @@ def select_next_tokens(
     if sampled:
         index = torch.tensor(sampled, dtype=torch.int64)
         filtered = _processed_rows(logits, rows, sampled)
-        draws = torch.stack(
-            [
-                torch.multinomial(filtered[j].exp(), 1, generator=generators[i])[0]
-                for j, i in enumerate(sampled)
-            ]
-        )
+        draws = _draw(filtered, [generators[i] for i in sampled])
         tokens = tokens.cpu().index_copy(0, index, draws)
         return report_tokens(logits, tokens, rows, processed=processed, filtered=filtered)
     return report_tokens(logits, tokens, rows, processed=processed)
+
+
+def _draw(log_probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row, int64 ``[A]``, from ``log_probs`` ``[A, V]``; row j draws only from
+    ``generators[j]``.
+
+    Exactly ``torch.multinomial(log_probs[j].exp(), 1, generator=generators[j])`` for every row
+    (the same tokens, the generators left in the same states): for one sample, torch draws ``V``
+    exponential variates from the generator and takes the argmax of the probabilities divided
+    by them. Here only those draws are made row by row; the division and the argmax run once for
+    the whole batch. A row whose probabilities are not finite raises as ``multinomial`` does.
+    """
+    probs = log_probs.exp()
+    if not bool(torch.isfinite(probs).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators, strict=True):
+        row.exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def report_tokens(
