@@ -59,8 +59,7 @@ def cpu_forward_threads(replicas: int, asked: int | None) -> int:
     other at every parallel operation, so whenever the server's HTTP side, its detokenizer or
     this process takes a core, the whole pass waits, and the waiting threads spin. Measured on
     two cores at batch 64 (``tools/bench/sglang_step_speed.py``): with two threads the scheduler
-    spent 5.3 CPU seconds on a run it finished in 2.0 with one, which took the run from 3.1 s to
-    2.0-2.2 s.
+    spent 5.3 CPU seconds on a run of 3.1 s; with one, 2.0 CPU seconds on a run of 2.0-2.2 s.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return asked or max(1, (cores or 1) // max(1, replicas) - 1)
