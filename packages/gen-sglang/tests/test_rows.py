@@ -20,8 +20,12 @@ def test_a_sampled_row_takes_the_samplers_logprobs_and_top_logprobs():
     choices = [[7, -1.5, [7, 9], [-1.5, -2.0]], [9, -0.25, [9, 4], [-0.25, None]]]
     # SGLang's own logprobs (of the one token the processor allowed) are not used.
     own = [[0.0, 7, None], [0.0, 9, None]]
-    assert stream.add(_chunk([7], **{CHOICE_KEY: choices[:1], "output_token_logprobs": own})) == 1
-    assert stream.add(_chunk([7, 9], **{CHOICE_KEY: choices, "output_token_logprobs": own})) == 1
+    assert (
+        stream.add(_chunk([7], **{CHOICE_KEY: choices[:1], "output_token_logprobs": own[:1]})) == 1
+    )
+    assert (
+        stream.add(_chunk([9], **{CHOICE_KEY: choices[1:], "output_token_logprobs": own[1:]})) == 1
+    )
     assert stream.token_ids == [7, 9]
     assert stream.logprobs == [-1.5, -0.25]
     assert stream.topk_ids == [[7, 9], [9, 4]]

@@ -26,6 +26,12 @@ def test_prefills_are_whole_unless_extra_args_say_otherwise():
     assert _last(chosen, "--chunked-prefill-size") == "2048"
 
 
+def test_chunks_carry_their_new_tokens_alone():
+    """``RowStream`` reads a chunk as the row's new tokens: a server streaming the whole row so
+    far would repeat every earlier token."""
+    assert "--incremental-streaming-output" in _args()
+
+
 def test_the_sampler_and_the_cpu_build_are_always_asked_for():
     args = _args()
     assert "--enable-custom-logit-processor" in args

@@ -14,8 +14,11 @@ Stop tokens are the row's alone: SGLang gets them as ``stop_token_ids`` and star
 of the model that names no eos (``checkpoint.serving_dir``), so it stops at nothing else.
 ``RowStream`` also ends a row at its first stop token should a server go past one (the backend
 then aborts the request by its ``rid``). Stop strings are SGLang's, kept in the output
-(``no_stop_trim``). SGLang streams the whole row so far in every chunk; ``RowStream``
-turns that into new tokens and, at the end, a ``RowResult`` with each token's weight version.
+(``no_stop_trim``). The servers stream incrementally (``--incremental-streaming-output``):
+each chunk carries only its new tokens, with their logprobs and choices, so a row of ``T``
+tokens costs the server, the wire and this process ``O(T)``, where whole-row chunks cost
+``O(T^2)``. ``RowStream`` puts the chunks together into the row and, at the end, a
+``RowResult`` with each token's weight version.
 """
 
 from __future__ import annotations
@@ -161,16 +164,15 @@ class RowStream:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def add(self, chunk: dict[str, Any]) -> int:
-        """Take one chunk (the row so far); returns how many tokens are new. Chunks after the
-        row ended here (a stop token) are ignored."""
+        """Take one chunk (the row's new tokens, their logprobs and choices); returns how many
+        tokens it added. Chunks after the row ended here (a stop token) are ignored."""
         if self.stopped_here:
             return 0
         meta = chunk.get("meta_info") or {}
         if meta.get("error"):
             raise GenerationError(f"SGLang failed the row: {meta['error']}")
-        ids = chunk.get("output_ids") or []
+        new = chunk.get("output_ids") or []
         before = len(self.token_ids)
-        new = ids[before:]
         if new:
             logprobs, tops = _new_logprobs(meta, new, before, self.top_logprobs, self.sampled)
             self.token_ids.extend(int(t) for t in new)
@@ -224,12 +226,12 @@ class RowStream:
 def _new_logprobs(
     meta: dict[str, Any], new: Sequence[int], before: int, k: int, sampled: bool
 ) -> tuple[list[float], list[tuple[list[int], list[float]]]]:
-    """The logprobs of a chunk's ``new`` tokens (positions ``before`` on) and, when ``k``, each
-    one's top ``k`` ids and logprobs: ``RowSampler``'s choices for a sampled row, SGLang's own
-    for a greedy one."""
+    """The logprobs of a chunk's ``new`` tokens (the row's positions ``before`` on) and, when
+    ``k``, each one's top ``k`` ids and logprobs: ``RowSampler``'s choices for a sampled row,
+    SGLang's own for a greedy one. The chunk's lists hold its new tokens' entries alone."""
     end = before + len(new)
     # SGLang pads the key with None for rows the processor did not sample (greedy rows).
-    entries = (meta.get(CHOICE_KEY) or [])[before:end]
+    entries = meta.get(CHOICE_KEY) or []
     if any(e is not None for e in entries):
         failed = next((e for e in entries if e and e[0] == "error"), None)
         if failed is not None:
@@ -249,10 +251,10 @@ def _new_logprobs(
             "row): it must start with --enable-custom-logit-processor and this package's support "
             "directory on its PYTHONPATH, as SglangGeneration starts it"
         )
-    chosen = (meta.get("output_token_logprobs") or [])[before:end]
+    chosen = meta.get("output_token_logprobs") or []
     if len(chosen) != len(new):
         raise GenerationError(f"SGLang sent {len(new)} new tokens with {len(chosen)} logprobs")
-    tops = (meta.get("output_top_logprobs") or [])[before:end] if k else []
+    tops = (meta.get("output_top_logprobs") or []) if k else []
     return [_logprob(e[0]) for e in chosen], [_top(entry, k) for entry in tops]
 
 

@@ -26,6 +26,8 @@ def server_args(
     args += ["--chunked-prefill-size", "-1"]
     # An idle scheduler otherwise polls at 100% of a core, starving whatever runs beside it.
     args += ["--load-format", settings["load_format"], "--random-seed", "0", "--sleep-on-idle"]
+    # Chunks carry their new tokens alone (``rows.RowStream``), not the whole row so far.
+    args.append("--incremental-streaming-output")
     if cpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
     args += kv_cache_args(settings, kv_bytes, cpu=cpu)
