@@ -16,9 +16,9 @@ of the model that names no eos (``checkpoint.serving_dir``), so it stops at noth
 then aborts the request by its ``rid``). Stop strings are SGLang's, kept in the output
 (``no_stop_trim``). The servers stream incrementally (``--incremental-streaming-output``):
 each chunk carries only its new tokens, with their logprobs and choices, so a row of ``T``
-tokens costs the server, the wire and this process ``O(T)``, where whole-row chunks cost
-``O(T^2)``. ``RowStream`` puts the chunks together into the row and, at the end, a
-``RowResult`` with each token's weight version.
+tokens costs the wire and this process ``O(T)``, where whole-row chunks cost ``O(T^2)``.
+``RowStream`` puts the chunks together into the row and, at the end, a ``RowResult`` with each
+token's weight version.
 """
 
 from __future__ import annotations
