@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from gen_vllm import wire
 from gen_vllm.messages import RowOutput, RowRequest, StepBatch, TokenDelta
 
 
@@ -47,7 +48,7 @@ class FakeReplicas:
         for request_id in request_ids:
             self.running[replica].pop(request_id, None)
 
-    def outputs(self, replica: int) -> AsyncIterator[asyncio.Future[StepBatch]]:
+    def outputs(self, replica: int) -> AsyncIterator[asyncio.Future[bytes]]:
         return self._stream(replica)
 
     def emit(
@@ -79,9 +80,9 @@ class FakeReplicas:
             self._queues = [(loop, asyncio.Queue()) for _ in range(self._replica_count)]
         return self._queues[replica][1]
 
-    async def _stream(self, replica: int) -> AsyncIterator[asyncio.Future[StepBatch]]:
+    async def _stream(self, replica: int) -> AsyncIterator[asyncio.Future[bytes]]:
         while (batch := await self._queue(replica).get()) is not None:
             ref = asyncio.get_running_loop().create_future()
-            ref.set_result(batch)
+            ref.set_result(wire.encode(batch))  # as a worker's stream sends it
             yield ref
         raise ConnectionError(f"replica {replica}'s worker died")

@@ -230,8 +230,9 @@ class ReplicaSet:
         return self.actors[replica].abort_rows.remote(request_ids)
 
     def outputs(self, replica: int) -> Any:
-        """``replica``'s stream of ``StepBatch``es (a Ray ``ObjectRefGenerator``: iterate it
-        asynchronously and await each ref). Open one per replica."""
+        """``replica``'s stream of ``StepBatch``es, each in its wire form (a Ray
+        ``ObjectRefGenerator`` of ``bytes``: iterate it asynchronously, await each ref and
+        ``gen_vllm.wire.decode`` it). Open one per replica."""
         return self.actors[replica].outputs.options(num_returns="streaming").remote()
 
     def rows_in_flight(self) -> list[int]:

@@ -55,6 +55,7 @@ from gen_backend_kit.fleet_health import FleetHealth, ReplicaState
 from gen_backend_kit.speculation import SpeculationCounts
 from gen_interface import GenerationError, NoReplicaServingError, RowLostError
 
+from gen_vllm import wire
 from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.engine_loop import EngineFailedError
 from gen_vllm.messages import RowOutput, RowRequest, StepBatch, TokenDelta
@@ -292,7 +293,7 @@ class RowRouter:
         actor = self._actor(replica)
         try:
             async for ref in self._replicas.outputs(replica):
-                self._deliver(replica, await ref)
+                self._deliver(replica, wire.decode(await ref))
         except asyncio.CancelledError:
             raise
         except Exception as exc:

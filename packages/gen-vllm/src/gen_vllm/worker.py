@@ -30,6 +30,7 @@ from gen_interface.weights import WeightBase
 from gen_interface.weights.collective import CollectiveEndpoint
 from gen_interface.weights.handles import WeightBucket, WeightHandles
 
+from gen_vllm import wire
 from gen_vllm.adapter import ADAPTER_ID, ADAPTER_NAME
 from gen_vllm.engine import EngineFactory, EngineProtocol, VllmEngine
 from gen_vllm.engine_loop import EngineLoop
@@ -38,7 +39,6 @@ from gen_vllm.logs import redirect_worker_output
 from gen_vllm.messages import (
     RowRequest,
     ScoredTokens,
-    StepBatch,
     UpdateReport,
     WorkerInfo,
 )
@@ -200,13 +200,13 @@ class VllmGenerationWorker:
         """Drop rows the driver gave up on; they report nothing more."""
         self._loop.abort_rows(request_ids)
 
-    async def outputs(self) -> AsyncIterator[StepBatch]:
+    async def outputs(self) -> AsyncIterator[bytes]:
         """What the engine produces, pushed as it comes: one ``StepBatch`` per engine step
         (several steps' worth when the reader falls behind) with the new tokens of the rows
-        that stream and every row that ended. Called once, by the driver, as a Ray streaming
-        generator; ends when the engine shuts down."""
+        that stream and every row that ended, each as one message (``gen_vllm.wire``). Called
+        once, by the driver, as a Ray streaming generator; ends when the engine shuts down."""
         while (batch := await self._loop.feed.take()) is not None:
-            yield batch
+            yield wire.encode(batch)
 
     async def score(
         self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 0
