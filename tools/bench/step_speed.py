@@ -1,13 +1,15 @@
 """gen-vllm against bare vLLM where a decode step is fast: what the layer adds per step and row.
 
     uv run python tools/bench/step_speed.py [--model bench-step] [--batches 1,64,256]
-        [--modes generate,async,stream] [--pairs 5] [--new 128] [--replicas 1] [--json FILE]
+        [--modes generate,async,stream] [--pairs 5] [--new 128] [--replicas 1]
+        [--cpu-threads N] [--json FILE]
 
 On a testkit model (``bench-step``, the default: a Llama of hidden 128 whose vLLM decode step
 over 64 rows takes 10-30 ms on two cores, a GPU's order for a 7B model; ``bench-50m``: the
 older benchmark model, whose slow step hides what the layer adds; run once per model), one
 engine of each kind, all with the engine settings gen-vllm uses on CPU (float32, eager, chunked
-prefill off, a 1 GiB KV cache, prefix caching on but reset before every run):
+prefill off, a 1 GiB KV cache, prefix caching on but reset before every run; gen-vllm's
+engine threads by its own rule unless ``--cpu-threads`` says, bare vLLM's by torch's default):
 
 - ``generate``: ``VllmGeneration.generate`` against vLLM's ``LLM.generate`` (in this process);
 - ``async``: ``generate_async`` (rows as they finish) against vLLM's ``AsyncLLM`` with
@@ -47,8 +49,10 @@ from typing import Any, TypeVar
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
+import torch
 from gen_interface import BatchedDataDict
 from gen_testkit.models import build_tiny_model
+from gen_vllm.worker import engine_threads
 from quiet import wait_until_quiet
 from workloads import left_padded, sampled_config
 
@@ -75,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=5, help="interleaved pairs per figure")
     parser.add_argument("--new", type=int, default=128, help="tokens per row")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument(
+        "--cpu-threads", type=int, help="gen-vllm's vllm_cfg.cpu_threads (default: its own rule)"
+    )
     parser.add_argument("--json", help="write every run's figures here")
     return parser.parse_args()
 
@@ -198,7 +205,7 @@ async def _run_async(engine: Any, prompts: list[list[int]], params: list[Any]) -
 class Ours:
     """``VllmGeneration`` with ``replicas`` engines."""
 
-    def __init__(self, model: str, replicas: int, new: int):
+    def __init__(self, model: str, replicas: int, new: int, cpu_threads: int | None = None):
         from gen_vllm import RayVirtualCluster, VllmGeneration
 
         self.cluster = RayVirtualCluster([replicas])
@@ -209,7 +216,10 @@ class Ours:
                 model,
                 new,
                 colocated={"enabled": False},
-                vllm_cfg={"cpu_kv_cache_gib": _KV_BYTES / (1 << 30)},
+                vllm_cfg={
+                    "cpu_kv_cache_gib": _KV_BYTES / (1 << 30),
+                    **({"cpu_threads": cpu_threads} if cpu_threads else {}),
+                },
             ),
         )
         self.loop = LoopThread()
@@ -241,7 +251,13 @@ def measure(model_name: str, args: argparse.Namespace) -> list[Figure]:
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{model_name}: starting engines", flush=True)
     bare = Bare(str(model.path), modes)
-    ours = Ours(str(model.path), args.replicas, args.new)
+    ours = Ours(str(model.path), args.replicas, args.new, args.cpu_threads)
+    share = max(1, len(os.sched_getaffinity(0)) // args.replicas)
+    print(
+        f"forward-pass threads: bare LLM {torch.get_num_threads()}, "
+        f"gen-vllm {engine_threads(share, args.cpu_threads)} per replica",
+        flush=True,
+    )
     figures = []
     try:
         for mode in modes:
