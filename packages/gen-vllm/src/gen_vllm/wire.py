@@ -164,7 +164,7 @@ class _Columns:
 
 def _concatenated(parts: list[Any], dtype: type) -> np.ndarray:
     """``parts`` (lists or arrays) as one array of ``dtype``."""
-    arrays = [np.asarray(p, dtype=dtype).reshape(-1) for p in parts]
+    arrays: list[np.ndarray] = [np.asarray(p, dtype=dtype).reshape(-1) for p in parts]
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
