@@ -48,7 +48,7 @@ class FakeReplicas:
         for request_id in request_ids:
             self.running[replica].pop(request_id, None)
 
-    def outputs(self, replica: int) -> AsyncIterator[asyncio.Future[bytes]]:
+    def outputs(self, replica: int) -> AsyncIterator[bytes]:
         return self._stream(replica)
 
     def emit(
@@ -80,9 +80,7 @@ class FakeReplicas:
             self._queues = [(loop, asyncio.Queue()) for _ in range(self._replica_count)]
         return self._queues[replica][1]
 
-    async def _stream(self, replica: int) -> AsyncIterator[asyncio.Future[bytes]]:
+    async def _stream(self, replica: int) -> AsyncIterator[bytes]:
         while (batch := await self._queue(replica).get()) is not None:
-            ref = asyncio.get_running_loop().create_future()
-            ref.set_result(wire.encode(batch))  # as a worker's stream sends it
-            yield ref
+            yield wire.encode(batch)  # as a worker's stream sends it
         raise ConnectionError(f"replica {replica}'s worker died")

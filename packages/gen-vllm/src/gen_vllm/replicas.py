@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,6 +17,7 @@ from gen_interface import BackendBrokenError, BackendUnavailableError, Generatio
 from gen_interface.weights import WeightBase
 from gen_interface.weights.collective import CollectiveEndpoint
 
+from gen_vllm import step_socket
 from gen_vllm.cluster import Bundle, RayVirtualCluster, ray_reachable
 from gen_vllm.engine import EngineFactory
 from gen_vllm.logs import log_file, verbose, worker_env
@@ -229,11 +230,30 @@ class ReplicaSet:
         """Drop rows from ``replica``'s engine; returns the call's ``ObjectRef``."""
         return self.actors[replica].abort_rows.remote(request_ids)
 
-    def outputs(self, replica: int) -> Any:
-        """``replica``'s stream of ``StepBatch``es, each in its wire form (a Ray
-        ``ObjectRefGenerator`` of ``bytes``: iterate it asynchronously, await each ref and
-        ``gen_vllm.wire.decode`` it). Open one per replica."""
-        return self.actors[replica].outputs.options(num_returns="streaming").remote()
+    async def outputs(self, replica: int) -> AsyncIterator[bytes]:
+        """``replica``'s stream of ``StepBatch``es, each in its wire form (``gen_vllm.wire``),
+        until the worker shuts down. Open one per replica. A worker on this process's node
+        sends it over a local socket (``gen_vllm.step_socket``), one on another node through
+        a Ray streaming generator.
+
+        Raises:
+            WorkerLostError: the worker died (its socket closed without the stream's end).
+            Ray's errors, as its calls raise them (``translate_ray_error``).
+        """
+        actor = self.actors[replica]
+        if not (step_socket.supported() and self.infos[replica]["node_id"] == _this_node()):
+            async for ref in actor.outputs.options(num_returns="streaming").remote():
+                yield await ref
+            return
+        name, secret = await actor.open_step_socket.remote()
+        try:
+            async for message in step_socket.read_step_socket(name, secret):
+                yield message
+        except step_socket.StepSocketClosedError as exc:
+            raise WorkerLostError(
+                f"a vLLM worker died while rows ran on it ({exc}: its process exited or was "
+                f"killed){_where_logged()}"
+            ) from exc
 
     def rows_in_flight(self) -> list[int]:
         """How many rows each replica's engine holds now."""
@@ -521,6 +541,13 @@ def _start_actor(
 
 #: Requests one worker serves at once: rows queue in its engine, which batches them.
 _MAX_ROWS_IN_FLIGHT = 4096
+
+
+def _this_node() -> str:
+    """The Ray node this process runs on ("" without Ray), as ``WorkerInfo.node_id``."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
 
 
 def _where_logged() -> str:

@@ -292,8 +292,8 @@ class RowRouter:
     async def _read_stream(self, replica: int) -> None:
         actor = self._actor(replica)
         try:
-            async for ref in self._replicas.outputs(replica):
-                self._deliver(replica, wire.decode(await ref))
+            async for message in self._replicas.outputs(replica):
+                self._deliver(replica, wire.decode(message))
         except asyncio.CancelledError:
             raise
         except Exception as exc:

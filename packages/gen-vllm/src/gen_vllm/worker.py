@@ -43,6 +43,7 @@ from gen_vllm.messages import (
     WorkerInfo,
 )
 from gen_vllm.receive import LoadInfo
+from gen_vllm.step_socket import StepSocketServer
 
 __all__ = ["VllmGenerationWorker"]
 
@@ -93,6 +94,7 @@ class VllmGenerationWorker:
         self._load_order = LoadOrder()
         self._adapter: tuple[dict[str, Any], str] | None = None  # (lora settings, its directory)
         self._info: WorkerInfo | None = None  # set once the engine is up
+        self._step_socket: StepSocketServer | None = None  # opened by the driver's first read
         self._start_error = ""
         try:
             self._start(model, engine_args, threads, engine_factory or VllmEngine)
@@ -207,6 +209,13 @@ class VllmGenerationWorker:
         once, by the driver, as a Ray streaming generator; ends when the engine shuts down."""
         while (batch := await self._loop.feed.take()) is not None:
             yield wire.encode(batch)
+
+    async def open_step_socket(self) -> tuple[str, bytes]:
+        """The same stream as ``outputs``, served on a local socket for a driver on this node
+        (``gen_vllm.step_socket``): the socket's name and the secret a reader sends first."""
+        if self._step_socket is None:
+            self._step_socket = StepSocketServer(self._loop.feed)
+        return await self._step_socket.open()
 
     async def score(
         self, sequences: list[list[int]], prompt_lengths: list[int], top_logprobs: int = 0
@@ -399,6 +408,8 @@ class VllmGenerationWorker:
         """Stop the engine and free its memory; the actor is killed afterwards."""
         if self._info is not None:
             await asyncio.to_thread(self._loop.close)
+        if self._step_socket is not None:
+            self._step_socket.close()
         if self._adapter is not None:
             shutil.rmtree(self._adapter[1], ignore_errors=True)
 
