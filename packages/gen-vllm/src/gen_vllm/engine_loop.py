@@ -383,7 +383,8 @@ class EngineLoop:
         if pending.future is not None:
             _resolve_future(pending.future, out)
         else:
-            self._step_out.finished.append((pending.request_id, out.packed()))
+            # as lists: the worker's loop puts every row's fields in columns (gen_vllm.wire)
+            self._step_out.finished.append((pending.request_id, out))
 
     def _fail(self, pending: _Pending, error: GenerationError) -> None:
         if pending.future is not None:

@@ -1,9 +1,8 @@
 """The plain data that crosses the Ray boundary between ``VllmGeneration`` and its workers.
 
 Only ints, floats, strings, lists, dicts and numpy arrays, so nothing depends on pickling vLLM
-or torch types. A finished row's per-token fields travel as numpy arrays (``RowOutput.packed``):
-pickled as buffers, not as one object per token, they cost a message of 256 rows of 128 tokens
-about a millisecond instead of ten.
+or torch types. A worker's stream sends each ``StepBatch`` in the columnar wire form of
+``gen_vllm.wire``; the driver gets finished rows back in ``RowOutput.packed`` form.
 """
 
 from __future__ import annotations
