@@ -59,9 +59,11 @@ def test_a_server_on_another_machine_is_refitted_through_the_collective_path(
         assert client.capabilities.weight_transports == {"collective"}
         assert any("collective path" in note for note in client.capabilities.notes)
         before = client.generate(batch, greedy=True)
+        assert not client.collective_intact()  # the server's engine has joined no group yet
         with Refitter(client, collective_host="127.0.0.1", bucket_bytes=1 << 20) as refitter:
             assert refitter.broadcasts
             new = refitter.refit(_perturbed(tiny_qwen2))
+            assert client.collective_intact()
             changed = client.generate(batch, greedy=True)
             back = refitter.refit(tiny_qwen2.state_dict())
         assert back == new + 1 == client.weight_version

@@ -170,10 +170,11 @@ def test_the_collective_path_forms_its_group_again_when_the_fleet_s_workers_chan
     own, tiny_qwen2, new_weights
 ):
     """A weight group's ranks are fixed when it forms. After replica 0 is replaced (same size,
-    one member gone), the next broadcast fails on the dead member: the update is aborted, the
-    group formed again with the workers of now, and the refit sent again. While replica 1 is
-    dead and not yet replaced (fewer workers), the group is formed again before the refit, which
-    commits on the survivor; its replacement then loads that version from the survivor's copy."""
+    one member gone), the backend says the group is no longer intact, so the group is formed
+    again with the workers of now before the refit, which takes far less than the broadcast
+    timeout it would wait on the dead member. While replica 1 is dead and not yet replaced
+    (fewer workers), the group is formed again before the refit, which commits on the survivor;
+    its replacement then loads that version from the survivor's copy."""
     backend = own.backend(own.cluster([2]), tiny_qwen2, weight_deltas=True)
     broadcaster = WeightBroadcaster.connect(backend, host="127.0.0.1", timeout_s=60)
     try:
@@ -183,8 +184,12 @@ def test_the_collective_path_forms_its_group_again_when_the_fleet_s_workers_chan
         assert wait_dead(pid)
         _wait_until(lambda: backend.fleet.health.restarts >= 1, "the loss")
         assert backend.fleet.wait_settled(SETTLE_S)
+        assert not backend.collective_intact()
+        started = time.monotonic()
         second = broadcaster.refit(new_weights(2))
+        assert time.monotonic() - started < 30  # the broadcast timeout is 60 s
         assert second > first and broadcaster.rejoins == 1
+        assert backend.collective_intact()
         rows = _long(backend).generate(pad_prompts(PROMPTS, "left"), greedy=True)
         assert set(rows["weight_versions"][:, 4:].flatten().tolist()) == {second}
 

@@ -304,6 +304,14 @@ class GenerationInterface(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not support collective_ranks")
 
+    def collective_intact(self) -> bool:
+        """Whether the weight group the last ``init_collective`` formed still holds exactly the
+        workers that take updates now, each the same process. False after a healing fleet
+        replaced a member or took one in: a broadcast would wait on a member that is gone, so
+        ``WeightBroadcaster`` forms the group again before it sends. The default, True, suits a
+        backend whose workers never change."""
+        return True
+
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
         """Have every worker join the trainer's weight group; returns once the group formed.
 

@@ -129,6 +129,13 @@ class RemoteWeights:
         self._require_weight_routes("collective_ranks", "collective")
         return int(self._wire.call("GET", "/get_world_size")["world_size"])
 
+    def collective_intact(self) -> bool:
+        """The server's answer (gen-serve's ``/get_world_size``); True from a server that does
+        not say (vLLM's own: its workers never change)."""
+        self._require_weight_routes("collective_intact", "collective")
+        answer = self._wire.call("GET", "/get_world_size")
+        return bool(answer.get("weight_group_intact", True))
+
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
         self._require_weight_routes("init_collective", "collective")
         self._wire.call("POST", "/init_weight_transfer_engine", {"init_info": dict(endpoint)})

@@ -133,9 +133,12 @@ def control_router(state: ServerState) -> APIRouter:
     @router.get("/get_world_size")
     async def get_world_size() -> Any:
         try:
-            return {"world_size": state.backend.collective_ranks()}
+            ranks = state.backend.collective_ranks()
         except NotImplementedError:
             return {"world_size": 1}
+        # vLLM's answer, and whether the weight group still holds those workers (this
+        # project's, for the remote client's WeightBroadcaster: collective_intact)
+        return {"world_size": ranks, "weight_group_intact": state.backend.collective_intact()}
 
     return router
 

@@ -595,6 +595,11 @@ class VllmGeneration(GenerationBackend):
         replacements joining its next update)."""
         return sum(len(self.replicas.infos[i]["device_ids"]) for i in self._updated_ids())
 
+    def collective_intact(self) -> bool:
+        """The replicas that take updates now are the ones that joined the weight group, each
+        with the worker that joined (a replacement or a replica taken in has not)."""
+        return self.replicas.in_weight_group(self._updated_ids())
+
     def init_collective(self, endpoint: Mapping[str, Any]) -> None:
         with self.lifecycle.breaks_on_fatal():
             tp = self.config["vllm_cfg"]["tensor_parallel_size"]

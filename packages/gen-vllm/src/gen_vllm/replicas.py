@@ -87,6 +87,8 @@ class ReplicaSet:
     stuck: bool = False
     #: Loads handed to the workers in the update in progress: the next one's place in order.
     loads_sent: int = 0
+    #: The actor of each replica that joined the last weight group (``init_collective``).
+    _weight_group: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -381,11 +383,21 @@ class ReplicaSet:
         one's ranks start at ``endpoint["rank_offset"] + k * ranks_per_replica``."""
         offset = endpoint["rank_offset"]
         ids = self.member_ids() if replicas is None else list(replicas)
+        self._weight_group = {}
         refs = [
             self.actors[i].init_collective.remote(endpoint, offset + k * ranks_per_replica)
             for k, i in enumerate(ids)
         ]
         self._wait(refs, endpoint["timeout_s"], "joining the weight group")
+        self._weight_group = {i: self.actors[i] for i in ids}
+
+    def in_weight_group(self, replicas: Sequence[int]) -> bool:
+        """Whether the last weight group formed holds exactly the workers of ``replicas``, each
+        the worker that joined it (a replacement has not)."""
+        group = self._weight_group
+        return sorted(group) == sorted(replicas) and all(
+            self.actors[i] is group[i] for i in replicas
+        )
 
     def _outcomes(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         """Each ref's value, or the ``GenerationError`` it ended with (a ``WorkerLostError``

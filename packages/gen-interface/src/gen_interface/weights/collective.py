@@ -10,9 +10,10 @@ the same transaction as the shared-memory path (the receiving end is the backend
 
 A backend whose workers change (a healing fleet replaced a lost replica) breaks the group: its
 ranks are fixed when it forms. The broadcaster forms it again with the backend's workers of now
-before a refit when their number changed, and once more when a broadcast fails because a member
-is gone (the failed attempt is aborted first, so the weights in force do not change); then it
-sends the refit again.
+before a refit when their number changed or the backend says a member was replaced
+(``collective_intact``), and once more when a broadcast fails because a member is gone (the
+failed attempt is aborted first, so the weights in force do not change); then it sends the refit
+again.
 
 Trainer::
 
@@ -223,7 +224,7 @@ class WeightBroadcaster:
 
         if self._closed:
             raise WeightUpdateError("this WeightBroadcaster is closed: connect a new one")
-        if self._rejoin is not None and 1 + self.backend.collective_ranks() != self._size():
+        if self._rejoin is not None and not self._group_current():
             self._form_again()
         try:
             return attempt()
@@ -232,6 +233,13 @@ class WeightBroadcaster:
                 raise
             self._form_again()
             return attempt()
+
+    def _group_current(self) -> bool:
+        """The group holds exactly the backend's workers of now (their number, and the backend
+        says none was replaced since it formed)."""
+        if 1 + self.backend.collective_ranks() != self._size():
+            return False
+        return self.backend.collective_intact()
 
     def _size(self) -> int:
         """Ranks in the group; 0 once it is left (a forming that failed leaves none)."""
