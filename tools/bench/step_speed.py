@@ -9,7 +9,8 @@ over 64 rows takes 10-30 ms on two cores, a GPU's order for a 7B model; ``bench-
 older benchmark model, whose slow step hides what the layer adds; run once per model), one
 engine of each kind, all with the engine settings gen-vllm uses on CPU (float32, eager, chunked
 prefill off, a 1 GiB KV cache, prefix caching on but reset before every run; gen-vllm's
-engine threads by its own rule unless ``--cpu-threads`` says, bare vLLM's by torch's default):
+engine threads by its own rule unless ``--cpu-threads`` says (every core but one, every core
+while 16 or more rows run and none streams), bare vLLM's by torch's default):
 
 - ``generate``: ``VllmGeneration.generate`` against vLLM's ``LLM.generate`` (in this process);
 - ``async``: ``generate_async`` (rows as they finish) against vLLM's ``AsyncLLM`` with
@@ -52,6 +53,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 import torch
 from gen_interface import BatchedDataDict
 from gen_testkit.models import build_tiny_model
+from gen_vllm.engine_loop import WIDE_ROWS
 from gen_vllm.worker import engine_threads
 from quiet import wait_until_quiet
 from workloads import left_padded, sampled_config
@@ -253,9 +255,15 @@ def measure(model_name: str, args: argparse.Namespace) -> list[Figure]:
     bare = Bare(str(model.path), modes)
     ours = Ours(str(model.path), args.replicas, args.new, args.cpu_threads)
     share = max(1, len(os.sched_getaffinity(0)) // args.replicas)
+    narrow = engine_threads(share, args.cpu_threads)
+    wide = (
+        ""
+        if args.cpu_threads or share == narrow
+        else f" ({share} from {WIDE_ROWS} rows, none streaming)"
+    )
     print(
         f"forward-pass threads: bare LLM {torch.get_num_threads()}, "
-        f"gen-vllm {engine_threads(share, args.cpu_threads)} per replica",
+        f"gen-vllm {narrow}{wide} per replica",
         flush=True,
     )
     figures = []

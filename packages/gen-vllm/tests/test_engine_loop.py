@@ -9,9 +9,10 @@ import threading
 import time
 
 import pytest
+import torch
 from gen_interface import BackendBrokenError, GenerationError
 from gen_vllm.engine import EngineLimits, StepOutput
-from gen_vllm.engine_loop import EngineFailedError, EngineLoop
+from gen_vllm.engine_loop import WIDE_ROWS, EngineFailedError, EngineLoop
 from gen_vllm.messages import RowRequest
 
 
@@ -157,3 +158,42 @@ def test_a_failed_step_fails_the_rows_added_in_a_batch_through_the_feed(scripted
     assert failure.request_id == "f0" and failure.engine_failed
     with pytest.raises(EngineFailedError, match="unusable"):
         asyncio.run(scripted.add_rows([RowRequest("f1", [1, 2], {})]))
+
+
+class ThreadCountingEngine(StubEngine):
+    """Records the engine thread's torch thread count at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def step(self) -> list[StepOutput]:
+        self.threads.append(torch.get_num_threads())
+        return super().step()
+
+
+def test_a_step_takes_every_core_while_many_rows_run_and_none_streams():
+    loop = EngineLoop(ThreadCountingEngine, num_threads=1, wide_threads=2)
+    engine: ThreadCountingEngine = loop.engine  # type: ignore[assignment]
+
+    def threads_while_running(rows: list[RowRequest]) -> int:
+        asyncio.run(loop.add_rows(rows))
+        seen = len(engine.threads)
+        deadline = time.monotonic() + 10
+        while len(engine.threads) < seen + 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        counted = engine.threads[-1]
+        loop.abort_rows([row.request_id for row in rows])
+        assert loop.submit(lambda: loop.in_flight).result(timeout=5) == 0
+        return counted
+
+    def rows(name: str, count: int, streaming: int = 0) -> list[RowRequest]:
+        return [RowRequest(f"{name}{i}", [1, 2], {}, stream=i < streaming) for i in range(count)]
+
+    try:
+        assert threads_while_running(rows("few", WIDE_ROWS - 1)) == 1
+        assert threads_while_running(rows("many", WIDE_ROWS)) == 2
+        assert threads_while_running(rows("one-streams", WIDE_ROWS, streaming=1)) == 1
+        assert threads_while_running(rows("again", 2 * WIDE_ROWS)) == 2
+    finally:
+        loop.close()

@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Rows from which a forward pass with no streaming row takes every core of the engine's share
+#: (``wide_threads``): a smaller batch's forward is too short to split across threads with gain
+#: (at batch 1 one thread is faster than vLLM's own two).
+WIDE_ROWS = 16
+
 
 @dataclass
 class _Pending:
@@ -66,6 +71,8 @@ class EngineLoop:
         build: makes the engine (may take a while); the constructor waits for it.
         name: the thread's name, for logs.
         num_threads: torch (OpenMP) threads for the engine thread; None keeps torch's default.
+        wide_threads: threads for a step while at least ``WIDE_ROWS`` rows run and none
+            streams (every core of the engine's share); None: always ``num_threads``.
 
     Raises:
         Whatever ``build`` raises.
@@ -76,7 +83,11 @@ class EngineLoop:
         build: Callable[[], EngineProtocol],
         name: str = "vllm-engine",
         num_threads: int | None = None,
+        wide_threads: int | None = None,
     ):
+        self._threads = num_threads
+        self._wide_threads = wide_threads if wide_threads and wide_threads != num_threads else None
+        self._threads_now = num_threads
         self._commands: list[Callable[[], None]] = []
         self._pending: dict[str, _Pending] = {}
         self._wake = threading.Condition()
@@ -281,6 +292,8 @@ class EngineLoop:
         return bool(self._pending) and not self._paused and self._failure is None
 
     def _step(self) -> None:
+        if self._wide_threads is not None:
+            self._fit_threads()
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -295,6 +308,21 @@ class EngineLoop:
         for step in outputs:
             self._record(step)
         self._flush(time.perf_counter() - started)
+
+    def _fit_threads(self) -> None:
+        """Set the step's forward-pass threads: ``wide_threads`` while at least ``WIDE_ROWS``
+        rows run and none streams, since the token path (this worker's messages, the driver)
+        then has nothing to do until a row ends; otherwise ``num_threads``, which leaves a core
+        to the token path that every step feeds. The count changes between steps only, so a
+        step's attention metadata and kernels see one count."""
+        import torch
+
+        wide = len(self._pending) >= WIDE_ROWS and not any(p.stream for p in self._pending.values())
+        threads = self._wide_threads if wide else self._threads
+        if threads != self._threads_now and threads is not None:
+            # vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it starts
+            torch._C.set_num_threads(threads)
+            self._threads_now = threads
 
     def _flush(self, step_seconds: float | None = None) -> None:
         """Hand what the step (or command) produced to ``feed``, in one push."""

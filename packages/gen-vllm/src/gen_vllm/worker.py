@@ -84,9 +84,12 @@ class VllmGenerationWorker:
         _allow_amx()
         _undo_worker_niceness()
         cpu_ids = _cores_for(cpu_slot) if cpu_slot else None
+        self._wide_threads: int | None = None
         threads = None
         if cpu_ids:
             threads = engine_threads(len(cpu_ids), cpu_threads)
+            if cpu_threads is None:
+                self._wide_threads = len(cpu_ids)
             os.sched_setaffinity(0, cpu_ids)
             os.environ["OMP_NUM_THREADS"] = str(threads)
         self._updating = False  # vLLM's weight-update transaction is open
@@ -113,6 +116,7 @@ class VllmGenerationWorker:
         self._loop = EngineLoop(
             lambda: factory(model, engine_args),
             num_threads=threads,
+            wide_threads=self._wide_threads,
         )
         engine: EngineProtocol = self._loop.engine
         specs, optional = self._loop.run(lambda: engine.collective_rpc("checkpoint_specs")[0])
@@ -422,6 +426,9 @@ def engine_threads(cores: int, asked: int | None) -> int:
     else, and the others wait for it at every parallel operation: on two cores, two threads
     spent twice the CPU time of one for the same steps and slowed serving to half of vLLM's
     (whose server also leaves a core to its scheduler). A share of one core keeps one thread.
+
+    Unless ``asked``, a step takes every core of the share while many rows run and none streams
+    (``EngineLoop``'s ``wide_threads``): then nothing on the token path runs until a row ends.
     """
     return asked or max(1, cores - 1)
 
