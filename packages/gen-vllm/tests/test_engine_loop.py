@@ -5,6 +5,7 @@ failed step makes every later row say the engine is unusable."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -195,5 +196,19 @@ def test_a_step_takes_every_core_while_many_rows_run_and_none_streams():
         assert threads_while_running(rows("many", WIDE_ROWS)) == 2
         assert threads_while_running(rows("one-streams", WIDE_ROWS, streaming=1)) == 1
         assert threads_while_running(rows("again", 2 * WIDE_ROWS)) == 2
+    finally:
+        loop.close()
+
+
+def test_without_a_thread_count_a_step_keeps_the_thread_s_own():
+    loop = EngineLoop(ThreadCountingEngine, wide_threads=(os.cpu_count() or 1) + 1)
+    engine: ThreadCountingEngine = loop.engine  # type: ignore[assignment]
+    own = loop.run(torch.get_num_threads)  # the engine thread's count, not this thread's
+    try:
+        asyncio.run(loop.add_rows([RowRequest(f"r{i}", [1], {}) for i in range(WIDE_ROWS)]))
+        deadline = time.monotonic() + 10
+        while len(engine.threads) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert engine.threads and set(engine.threads) == {own}
     finally:
         loop.close()

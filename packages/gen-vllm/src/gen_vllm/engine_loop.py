@@ -72,7 +72,8 @@ class EngineLoop:
         name: the thread's name, for logs.
         num_threads: torch (OpenMP) threads for the engine thread; None keeps torch's default.
         wide_threads: threads for a step while at least ``WIDE_ROWS`` rows run and none
-            streams (every core of the engine's share); None: always ``num_threads``.
+            streams (every core of the engine's share); None, or no ``num_threads``: every
+            step keeps the thread's count.
 
     Raises:
         Whatever ``build`` raises.
@@ -86,7 +87,9 @@ class EngineLoop:
         wide_threads: int | None = None,
     ):
         self._threads = num_threads
-        self._wide_threads = wide_threads if wide_threads and wide_threads != num_threads else None
+        # the rule needs both counts: without ``num_threads`` a step could not go back
+        wide = wide_threads if num_threads and wide_threads != num_threads else None
+        self._wide_threads = wide
         self._threads_now = num_threads
         self._commands: list[Callable[[], None]] = []
         self._pending: dict[str, _Pending] = {}
@@ -319,7 +322,7 @@ class EngineLoop:
 
         wide = len(self._pending) >= WIDE_ROWS and not any(p.stream for p in self._pending.values())
         threads = self._wide_threads if wide else self._threads
-        if threads != self._threads_now and threads is not None:
+        if threads is not None and threads != self._threads_now:
             # vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it starts
             torch._C.set_num_threads(threads)
             self._threads_now = threads
