@@ -47,8 +47,9 @@ from gen_backend_kit.sampling import select_next_tokens
 from gen_backend_kit.scoring import scored_row
 from gen_interface.weights.collective import CollectiveEndpoint, join_weight_group
 from gen_testkit.routing import reference_routing
-from gen_vllm.engine import EngineLimits, StepOutput
+from gen_vllm.engine import EngineLimits, EngineStep, StepOutput
 from gen_vllm.extension import UpdatableVllmInternalWorker
+from gen_vllm.messages import TokenDelta
 from gen_vllm.receive import receive_load, whole_tensors
 from gen_vllm.staging import EngineLoads
 
@@ -168,16 +169,16 @@ class FakeEngine:
             raise NotImplementedError("the fake engine has no tokenizer for stop strings")
         self._requests[request_id] = _Request(prompt, params, stream)
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> EngineStep:
         if self.paused or not self._requests:
-            return []
+            return EngineStep([], [])
         self._check_mapped("step")
         while self._fault("wedge"):  # alive, silent, holding its rows
             time.sleep(0.05)
         if self._fault("step"):
             raise RuntimeError("a kernel failed (the fake engine's step fault is set)")
         model = self._current_model()
-        outputs = []
+        deltas, ended = [], []
         shift = len(self._requests) - 1 if self._factory.batch_variant else 0
         with torch.inference_mode():
             for request_id, request in list(self._requests.items()):
@@ -191,13 +192,21 @@ class FakeEngine:
                     output = dataclasses.replace(output, routed_experts=routing.numpy())
                 if output.finish_reason is not None:
                     del self._requests[request_id]
-                # as vLLM's outputs: every step's tokens for a request that streams (DELTA),
-                # else one output with every token when it ends (FINAL_ONLY)
-                if request.stream:
-                    outputs.append(output)
-                elif output.finish_reason is not None:
-                    outputs.append(request.whole(output))
-        return outputs
+                # as gen_vllm.engine's outputs: one with every token when a request ends
+                # (vLLM's FINAL_ONLY), and each earlier step's tokens for one that streams
+                if output.finish_reason is not None:
+                    ended.append(request.whole(output))
+                elif request.stream:
+                    deltas.append(
+                        TokenDelta(
+                            request_id,
+                            output.token_ids,
+                            output.logprobs,
+                            output.topk_ids or [],
+                            output.topk_logprobs or [],
+                        )
+                    )
+        return EngineStep(deltas, ended)
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
         finals = []
@@ -205,8 +214,7 @@ class FakeEngine:
             request = self._requests.pop(request_id, None)
             if request is None:
                 continue
-            ended = StepOutput(request_id, [], [], "abort")
-            finals.append(ended if request.stream else request.whole(ended))
+            finals.append(request.whole(StepOutput(request_id, [], [], "abort")))
         return finals
 
     def has_unfinished(self) -> bool:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from gen_interface import BackendBrokenError, GenerationError
-from gen_vllm.engine import EngineLimits, StepOutput
+from gen_vllm.engine import EngineLimits, EngineStep, StepOutput
 from gen_vllm.engine_loop import WIDE_ROWS, EngineFailedError, EngineLoop
 from gen_vllm.messages import RowRequest
 
@@ -30,9 +30,9 @@ class StubEngine:
     ) -> None:
         self.rows.add(request_id)
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> EngineStep:
         time.sleep(0.001)
-        return []
+        return EngineStep([], [])
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
         live = sorted(self.rows.intersection(request_ids))
@@ -90,11 +90,11 @@ class ScriptedEngine(StubEngine):
     reason = "stop"
     explode = False
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> EngineStep:
         if self.explode:
             raise RuntimeError("a kernel failed")
         done, self.rows = self.rows, set()
-        return [StepOutput(r, [3], [-0.5], self.reason) for r in sorted(done)]
+        return EngineStep([], [StepOutput(r, [3], [-0.5], self.reason) for r in sorted(done)])
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ class ThreadCountingEngine(StubEngine):
         super().__init__()
         self.threads: list[int] = []
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> EngineStep:
         self.threads.append(torch.get_num_threads())
         return super().step()
 

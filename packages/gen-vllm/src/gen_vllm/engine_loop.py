@@ -26,7 +26,7 @@ from gen_backend_kit import FinishReason
 from gen_interface import BackendBrokenError, GenerationError
 
 from gen_vllm.engine import EngineProtocol, StepOutput
-from gen_vllm.messages import RowFailure, RowOutput, RowRequest, StepBatch, TokenDelta
+from gen_vllm.messages import RowFailure, RowOutput, RowRequest, StepBatch
 from gen_vllm.routing import to_wire
 from gen_vllm.step_feed import StepFeed
 
@@ -299,7 +299,7 @@ class EngineLoop:
             self._fit_threads()
         started = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            deltas, ended = self.engine.step()
         except Exception as exc:
             logger.exception("vLLM engine step failed")
             self._failure = (
@@ -308,7 +308,9 @@ class EngineLoop:
             )
             self._fail_all(self._failure, EngineFailedError)
             return
-        for step in outputs:
+        pending = self._pending  # a row aborted without a report reports nothing more
+        self._step_out.deltas.extend([d for d in deltas if d.request_id in pending])
+        for step in ended:
             self._record(step)
         self._flush(time.perf_counter() - started)
 
@@ -336,18 +338,6 @@ class EngineLoop:
         pending = self._pending.get(step.request_id)
         if pending is None:
             return
-        if pending.stream and step.token_ids and step.finish_reason is None:
-            # A finishing step's tokens travel with the row's result: the stream's last event
-            # then holds the last token and the finish together.
-            self._step_out.deltas.append(
-                TokenDelta(
-                    step.request_id,
-                    step.token_ids,
-                    step.logprobs,
-                    step.topk_ids or [],
-                    step.topk_logprobs or [],
-                )
-            )
         out = pending.output
         if step.whole:  # the row's every token, reported once, as it ends
             out.token_ids = step.token_ids

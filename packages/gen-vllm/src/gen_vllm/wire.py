@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,12 @@ def decode(data: bytes) -> StepBatch:
     )
     batch = StepBatch(failed=failed, ended=ended, steps=steps, step_seconds=step_seconds)
     tokens, logprobs = deltas.tokens.tolist(), deltas.logprobs.tolist()
-    delta_offsets = deltas.offsets.tolist()
+    delta_offsets, delta_top_k = deltas.offsets.tolist(), deltas.top_k.tolist()
     for i, request_id in enumerate(delta_ids):
         start, end = delta_offsets[i], delta_offsets[i + 1]
-        top_ids, top_logprobs = deltas.top(i, start, end)
+        top_ids = top_logprobs = None
+        if delta_top_k[i] >= 0:
+            top_ids, top_logprobs = deltas.top(i, start, end)
         batch.deltas.append(
             TokenDelta(
                 request_id,
@@ -163,7 +166,9 @@ class _Columns:
 
 
 def _concatenated(parts: list[Any], dtype: type) -> np.ndarray:
-    """``parts`` (lists or arrays) as one array of ``dtype``."""
+    """``parts`` (flat lists or arrays) as one array of ``dtype``."""
+    if all(type(p) is list for p in parts):  # one pass: 256 rows of a token each in 30 us
+        return np.array(list(chain.from_iterable(parts)), dtype=dtype)
     arrays: list[np.ndarray] = [np.asarray(p, dtype=dtype).reshape(-1) for p in parts]
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
