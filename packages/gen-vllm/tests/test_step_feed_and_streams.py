@@ -47,6 +47,48 @@ def test_the_feed_hands_over_every_step_once_in_order_across_threads():
     assert takes <= pushed + 1  # steps pushed while the reader was busy come in one message
 
 
+class _Reader:
+    """A reader of ``feed`` on a loop of its own thread that "sends" each batch it takes (holds
+    it until ``release`` is set, when given one) and records it as sent."""
+
+    def __init__(self, feed: StepFeed, release: threading.Event | None = None):
+        self.feed, self.release, self.sent = feed, release, []
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._read()))
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while feed._waiter is None and time.monotonic() < deadline:  # waits in take
+            time.sleep(0.001)
+
+    async def _read(self) -> None:
+        while (batch := await self.feed.take()) is not None:
+            if self.release is not None:
+                self.release.wait(10)
+            self.sent.append(batch)
+
+
+def test_a_push_that_wakes_a_reader_returns_once_the_batch_is_sent():
+    feed = StepFeed()
+    reader = _Reader(feed)
+    feed.push([TokenDelta("r0", [5], [-1.0], [], [])], hand_over_s=10.0)
+    assert len(reader.sent) == 1 and reader.sent[0].deltas[0].token_ids == [5]
+    feed.close()
+    reader.thread.join(10)
+
+
+def test_a_hand_over_waits_no_longer_than_it_is_given():
+    feed = StepFeed()
+    release = threading.Event()
+    reader = _Reader(feed, release)  # takes the batch, then does not come back
+    feed.push([TokenDelta("r0", [5], [-1.0], [], [])], hand_over_s=0.05)
+    assert reader.sent == []  # the push gave up waiting: the reader still holds the batch
+    feed.push([TokenDelta("r0", [6], [-1.0], [], [])], hand_over_s=10.0)  # no reader waits
+    assert reader.sent == []
+    release.set()
+    feed.close()
+    reader.thread.join(10)
+    assert [t for b in reader.sent for d in b.deltas for t in d.token_ids] == [5, 6]
+
+
 def test_the_feed_keeps_failures_and_says_when_it_ends():
     feed = StepFeed()
     feed.push(failed=[RowFailure("r1", "the row failed", engine_failed=True)])

@@ -28,7 +28,7 @@ from gen_interface import BackendBrokenError, GenerationError
 from gen_vllm.engine import EngineProtocol, StepOutput
 from gen_vllm.messages import RowFailure, RowOutput, RowRequest, StepBatch
 from gen_vllm.routing import to_wire
-from gen_vllm.step_feed import StepFeed
+from gen_vllm.step_feed import HAND_OVER_S, StepFeed
 
 __all__ = ["EngineFailedError", "EngineLoop"]
 
@@ -332,7 +332,7 @@ class EngineLoop:
     def _flush(self, step_seconds: float | None = None) -> None:
         """Hand what the step (or command) produced to ``feed``, in one push."""
         out, self._step_out = self._step_out, StepBatch()
-        self.feed.push(out.deltas, out.finished, out.failed, step_seconds)
+        self.feed.push(out.deltas, out.finished, out.failed, step_seconds, HAND_OVER_S)
 
     def _record(self, step: StepOutput) -> None:
         pending = self._pending.get(step.request_id)
