@@ -8,9 +8,10 @@ per message, never per row or per token.
 
 A push that wakes an idle reader can hand it the process (``hand_over_s``): the pushing thread
 waits, without the GIL, until the reader has taken the batch and come back for the next, so
-that the message is encoded and sent before the engine's next step begins, not beside it. The
-engine's thread holds the GIL through most of a step (vLLM's scheduler and output processing
-are Python), so a reader woken beside it waited 3-9 ms for its turn (p50, 64-256 rows).
+that the message is encoded and sent before the engine's next step begins, not beside it. A
+reader woken beside the running step waited 3-9 ms for its turn (p50, 64-256 rows; a shorter
+GIL switch interval did not shorten it), and now 1.5-3.3 ms to the driver, for a wait of about
+the message's encoding and write on the engine's side.
 
 While the engine steps without producing anything the driver reads (rows that report only at
 their end), a message carrying only the step count goes out at most every ``HEARTBEAT_S``: the
