@@ -520,7 +520,6 @@ class _Request:
             topk_logprobs=[x for o in self.made for x in (o.topk_logprobs or [])] if top else None,
             prompt_topk_ids=first.prompt_topk_ids,
             prompt_topk_logprobs=first.prompt_topk_logprobs,
-            whole=True,
             weight_versions=list(self.versions),
         )
 

@@ -37,7 +37,7 @@ class StubEngine:
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
         live = sorted(self.rows.intersection(request_ids))
         self.rows.difference_update(request_ids)
-        return [StepOutput(r, [], [], "abort", whole=True) for r in live]
+        return [StepOutput(r, [], [], "abort") for r in live]
 
     def shutdown(self) -> None:
         return None

@@ -50,12 +50,12 @@ class EngineLimits:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One request's end: its result, reported once, when it finishes or is aborted.
+    """One request's end: its result, with every token it generated, reported once, when it
+    finishes or is aborted.
 
     Attributes:
         request_id: the request's id.
-        token_ids: every token of the row when ``whole``; else (an engine that does not say
-            ``whole``) the last step's, added to what the row's earlier ends reported.
+        token_ids: every token the row generated.
         logprobs: their log-probabilities.
         finish_reason: None while the request runs; why it ended once it did, as vLLM says it
             (``"stop"``, ``"length"``, ``"abort"``, or another reason such as ``"error"``,
@@ -71,9 +71,8 @@ class StepOutput:
         routed_experts: once the request finished, with vLLM's own routed-experts option
             (GPU): int ``[positions read, layers, top_k]`` (``CompletionOutput.routed_experts``);
             None otherwise.
-        whole: ``token_ids`` are the row's every token, not only the last step's.
         weight_versions: the weight version that produced each of ``token_ids`` (vLLM's own
-            spans), or None: this step's tokens, all from the weights in force now.
+            spans), or None: all from the weights in force now.
         speculation: once the request ended, with speculative decoding on, its
             ``(drafts, proposed, accepted)``: verifying steps that had draft tokens, the draft
             tokens proposed, and of them the ones accepted (vLLM's per-request summary); None
@@ -91,7 +90,6 @@ class StepOutput:
     prompt_topk_logprobs: list[list[float]] | None = None
     cached_tokens: int | None = None
     routed_experts: Any = None
-    whole: bool = False
     weight_versions: list[int] | None = None
     speculation: tuple[int, int, int] | None = None
 
@@ -113,8 +111,8 @@ class EngineProtocol(Protocol):
     def add_request(
         self, request_id: str, prompt: list[int], params: dict[str, Any], stream: bool = False
     ) -> None:
-        """Queue a request; ``params`` are ``SamplingParams`` keyword arguments. ``stream``: it
-        reports every step's new tokens; otherwise only its whole result when it finishes."""
+        """Queue a request; ``params`` are ``SamplingParams`` keyword arguments. It reports its
+        result when it ends; with ``stream``, every earlier step's new tokens too."""
 
     def step(self) -> EngineStep:
         """Run one scheduling step: the streaming requests' new tokens and the ends."""
@@ -122,7 +120,7 @@ class EngineProtocol(Protocol):
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
         """Drop requests; they produce no further output. Returns, for each request that was
         still running, its final output: finish reason ``"abort"``, every token it had
-        generated (``whole``) and its ``speculation`` so far."""
+        generated and its ``speculation`` so far."""
 
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running."""
@@ -193,8 +191,8 @@ class VllmEngine:
             return outputs
 
         core.get_output = tapped  # type: ignore[method-assign]
-        # each running request's (top logprobs, top prompt logprobs, streams)
-        self._requests: dict[str, tuple[int, int, bool]] = {}
+        # each running request's (top logprobs, top prompt logprobs)
+        self._requests: dict[str, tuple[int, int]] = {}
         self._streams: set[str] = set()  # the running requests that stream
         config = self._engine.model_config
         self.limits = EngineLimits(
@@ -224,7 +222,6 @@ class VllmEngine:
         self._requests[request_id] = (
             int(params.get("logprobs") or 0),
             int(params.get("prompt_logprobs") or 0),
-            stream,
         )
         if stream:
             self._streams.add(request_id)
@@ -270,11 +267,10 @@ class VllmEngine:
 
     def _step_output(self, request: RequestOutput) -> StepOutput:
         completion = request.outputs[0]
-        k, prompt_k, _ = self._requests.get(request.request_id, (0, 0, False))
+        k, prompt_k = self._requests.get(request.request_id, (0, 0))
         if request.finished:
             self._requests.pop(request.request_id, None)
             self._streams.discard(request.request_id)
-        whole = request.finished  # a FINAL_ONLY output: every token
         tokens = list(completion.token_ids)
         logprobs, topk_ids, topk_logprobs = _sampled(completion.logprobs, tokens, k)
         prompt_logprobs = prompt_topk_ids = prompt_topk_logprobs = None
@@ -295,8 +291,7 @@ class VllmEngine:
             prompt_topk_logprobs=prompt_topk_logprobs if prompt_k else None,
             cached_tokens=int(request.num_cached_tokens or 0) if request.finished else None,
             routed_experts=completion.routed_experts if request.finished else None,
-            whole=whole,
-            weight_versions=_versions(completion.weight_versions, len(tokens)) if whole else None,
+            weight_versions=_versions(completion.weight_versions, len(tokens)),
             speculation=_speculation(completion.spec_decode_metrics) if request.finished else None,
         )
 

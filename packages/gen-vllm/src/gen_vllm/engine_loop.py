@@ -338,21 +338,11 @@ class EngineLoop:
         pending = self._pending.get(step.request_id)
         if pending is None:
             return
-        out = pending.output
-        if step.whole:  # the row's every token, reported once, as it ends
-            out.token_ids = step.token_ids
-            out.logprobs = step.logprobs
-            out.weight_versions = step.weight_versions or [self._version] * len(step.token_ids)
-            out.topk_ids, out.topk_logprobs = step.topk_ids, step.topk_logprobs
-        else:
-            out.token_ids.extend(step.token_ids)
-            out.logprobs.extend(step.logprobs)
-            out.weight_versions.extend([self._version] * len(step.token_ids))
-            if step.topk_ids is not None and step.topk_logprobs is not None:
-                if out.topk_ids is None or out.topk_logprobs is None:
-                    out.topk_ids, out.topk_logprobs = [], []
-                out.topk_ids.extend(step.topk_ids)
-                out.topk_logprobs.extend(step.topk_logprobs)
+        out = pending.output  # the row's every token, reported once, as it ends
+        out.token_ids = step.token_ids
+        out.logprobs = step.logprobs
+        out.weight_versions = step.weight_versions or [self._version] * len(step.token_ids)
+        out.topk_ids, out.topk_logprobs = step.topk_ids, step.topk_logprobs
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = step.prompt_logprobs
             out.prompt_topk_ids = step.prompt_topk_ids
