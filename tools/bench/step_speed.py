@@ -8,7 +8,8 @@ On a testkit model (``bench-step``, the default: a Llama of hidden 128 whose vLL
 over 64 rows takes 10-30 ms on two cores, a GPU's order for a 7B model; ``bench-50m``: the
 older benchmark model, whose slow step hides what the layer adds; run once per model), one
 engine of each kind, all with the engine settings gen-vllm uses on CPU (float32, eager, chunked
-prefill off, a 1 GiB KV cache, prefix caching on but reset before every run; gen-vllm's
+prefill off, a 1 GiB KV cache, prefix caching on but reset before every run, vLLM's statistics
+off (``AsyncLLM`` too: ``LLM`` and gen-vllm turn them off); gen-vllm's
 engine threads by its own rule unless ``--cpu-threads`` says (every core but one, every core
 while 16 or more rows run and none streams), bare vLLM's by torch's default):
 
@@ -29,8 +30,12 @@ Per-step delivery: for every run of ours, gen-vllm's own ``step_to_caller_second
 of the engine step that made a row's tokens or result to their arrival at the caller), p50 and
 p99, against the bare step time (bare wall time / steps); and its first hop alone, p50 of
 ``step_to_driver_seconds`` (to this process's router: the worker's hand-over and Ray's message),
-so that the rest is this process's routing and hand-over to the caller. Run on an otherwise idle
-machine.
+so that the rest is this process's routing and hand-over to the caller. Bare vLLM's own delivery
+is measured the same way, from the same point (vLLM's stamp on the engine core's outputs of a
+step, taken as the scheduler has the step's results and before any output is built): to the
+return of ``LLMEngine.step`` with rows that ended (``generate``, one process), or to each
+request's consumer (``AsyncLLM``, its engine core in a process of its own). What the layer adds
+per step is the difference. Run on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ class Figure:
     delivery_p50: list[float] = field(default_factory=list)
     delivery_p99: list[float] = field(default_factory=list)
     driver_p50: list[float] = field(default_factory=list)
+    bare_delivery_p50: list[float] = field(default_factory=list)
+    bare_delivery_p99: list[float] = field(default_factory=list)
 
     def ratios(self) -> list[float]:
         """Per pair: ours tokens/s over bare tokens/s (bare seconds / ours seconds)."""
@@ -114,6 +121,8 @@ class Figure:
         p50 = statistics.median(self.delivery_p50) if self.delivery_p50 else float("nan")
         p99 = statistics.median(self.delivery_p99) if self.delivery_p99 else float("nan")
         driver = statistics.median(self.driver_p50) if self.driver_p50 else float("nan")
+        bare_p50 = statistics.median(self.bare_delivery_p50)
+        bare_p99 = statistics.median(self.bare_delivery_p99)
         bare_s, ours_s = statistics.median(self.bare_seconds), statistics.median(self.ours_seconds)
         latency = f"{bare_s:.3f} / {ours_s:.3f} s" if self.batch == 1 else "-"
         return (
@@ -121,7 +130,8 @@ class Figure:
             f"| {statistics.median(ours):.0f} | {statistics.median(ratios):.3f} "
             f"({min(ratios):.2f}-{max(ratios):.2f}) | {latency} | {bare_step * 1e3:.1f} ms "
             f"| {driver * 1e3:.2f} ms | {p50 * 1e3:.2f} / {p99 * 1e3:.2f} ms "
-            f"| {p50 / bare_step:.3f} |"
+            f"| {bare_p50 * 1e3:.2f} / {bare_p99 * 1e3:.2f} ms | {p50 / bare_step:.3f} "
+            f"| {(p50 - bare_p50) / bare_step:.3f} |"
         )
 
 
@@ -143,21 +153,69 @@ class LoopThread:
 
 
 class Bare:
-    """vLLM's own engines: ``LLM`` for whole calls, ``AsyncLLM`` for rows and tokens."""
+    """vLLM's own engines: ``LLM`` for whole calls, ``AsyncLLM`` for rows and tokens; each
+    records its own delivery (``deliveries``: seconds from a step's stamp to where its rows'
+    tokens or results reach the caller, for the last run)."""
 
     def __init__(self, model: str, modes: list[str]):
         from vllm import LLM, AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.deliveries: list[float] = []
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(model=model, skip_tokenizer_init=True, **_ENGINE)
+        self._time_llm_steps(self.llm.llm_engine)
         self.loop: LoopThread | None = None
         if {"async", "stream"} & set(modes):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             self.loop = LoopThread()
-            args = AsyncEngineArgs(model=model, skip_tokenizer_init=True, **_ENGINE)
+            # vLLM's statistics off, as in ``LLM`` and gen-vllm's engines: on, they cost
+            # ``AsyncLLM`` a Prometheus observation per row per step
+            args = AsyncEngineArgs(
+                model=model, skip_tokenizer_init=True, disable_log_stats=True, **_ENGINE
+            )
             self.async_llm = self.loop.run(_build_async(AsyncLLM, args))
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            self.stamps = self._stamp_async_outputs(self.async_llm.output_processor)
+
+    def _time_llm_steps(self, engine: Any) -> None:
+        """``LLMEngine`` (one process): each step that returns rows is a delivery, from its
+        core outputs' stamp to the step's return."""
+        core, step = engine.engine_core, engine.step
+        stamp = [0.0]
+
+        def get_output() -> Any:
+            outputs = fetch()
+            stamp[0] = outputs.timestamp
+            return outputs
+
+        def timed_step() -> Any:
+            outputs = step()
+            if outputs:
+                self.deliveries.append(time.monotonic() - stamp[0])
+            return outputs
+
+        fetch = core.get_output
+        core.get_output = get_output
+        engine.step = timed_step
+
+    @staticmethod
+    def _stamp_async_outputs(processor: Any) -> dict[str, float]:
+        """``AsyncLLM``: the stamp of the step that made each request's latest output, by the
+        request's own id, as the front-end process takes the engine core's outputs."""
+        stamps: dict[str, float] = {}
+        process = processor.process_outputs
+
+        def stamped(outputs: Any, timestamp: float, *args: Any, **kwargs: Any) -> Any:
+            states = processor.request_states
+            for output in outputs:
+                state = states.get(output.request_id)
+                if state is not None:
+                    stamps[state.external_req_id] = timestamp
+            return process(outputs, timestamp, *args, **kwargs)
+
+        processor.process_outputs = stamped
+        return stamps
 
     def run(self, mode: str, prompts: list[list[int]], new: int) -> float:
         from vllm import SamplingParams
@@ -176,6 +234,7 @@ class Bare:
             )
             for i in range(len(prompts))
         ]
+        self.deliveries = []
         if mode == "generate":
             self.llm.reset_prefix_cache()
             start = time.perf_counter()
@@ -183,7 +242,14 @@ class Bare:
             return time.perf_counter() - start
         assert self.loop is not None
         self.loop.run(self.async_llm.reset_prefix_cache())
-        return self.loop.run(_run_async(self.async_llm, prompts, params))
+        return self.loop.run(
+            _run_async(self.async_llm, prompts, params, self.stamps, self.deliveries)
+        )
+
+    def delivery(self) -> tuple[float, float]:
+        """The last run's delivery p50 and p99, in seconds."""
+        ordered = sorted(self.deliveries)
+        return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)]
 
     def close(self) -> None:
         if self.loop is not None:
@@ -194,10 +260,18 @@ async def _build_async(cls: Any, args: Any) -> Any:
     return cls.from_engine_args(args)
 
 
-async def _run_async(engine: Any, prompts: list[list[int]], params: list[Any]) -> float:
+async def _run_async(
+    engine: Any,
+    prompts: list[list[int]],
+    params: list[Any],
+    stamps: dict[str, float],
+    deliveries: list[float],
+) -> float:
     async def one(prompt: list[int], p: Any) -> None:
-        async for _ in engine.generate({"prompt_token_ids": prompt}, p, uuid.uuid4().hex):
-            pass
+        request_id = uuid.uuid4().hex
+        async for _ in engine.generate({"prompt_token_ids": prompt}, p, request_id):
+            deliveries.append(time.monotonic() - stamps[request_id])
+        del stamps[request_id]
 
     start = time.perf_counter()
     await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
@@ -278,6 +352,9 @@ def measure(model_name: str, args: argparse.Namespace) -> list[Figure]:
                 for _ in range(args.pairs):
                     wait_until_quiet()  # vLLM's worker polls for a second after a run
                     figure.bare_seconds.append(bare.run(mode, prompts, args.new))
+                    p50, p99 = bare.delivery()
+                    figure.bare_delivery_p50.append(p50)
+                    figure.bare_delivery_p99.append(p99)
                     wait_until_quiet()
                     seconds, metrics = ours.run(mode, batch)
                     figure.ours_seconds.append(seconds)
@@ -298,9 +375,10 @@ def main() -> list[Figure]:
     args = parse_args()
     print(
         "| model | mode | batch | bare tok/s | ours tok/s | ratio (spread) | batch-1 latency "
-        "bare / ours | bare step | to driver p50 | delivery p50 / p99 | p50 / step |"
+        "bare / ours | bare step | to driver p50 | delivery p50 / p99 | bare's delivery p50 / p99 "
+        "| p50 / step | added p50 / step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     figures = measure(args.model, args)
     if args.json:
         with open(args.json, "w") as out:

@@ -85,16 +85,19 @@ def test_a_row_given_up_while_running_is_aborted_in_the_engine(loop):
 
 
 class ScriptedEngine(StubEngine):
-    """Finishes every row at its first step for ``reason``; ``explode`` makes steps raise."""
+    """Finishes every row at its first step for ``reason``; ``explode`` makes steps raise;
+    ``finished_at``: the engine's own stamp on its steps (None: it has none)."""
 
     reason = "stop"
     explode = False
+    finished_at: float | None = None
 
     def step(self) -> EngineStep:
         if self.explode:
             raise RuntimeError("a kernel failed")
         done, self.rows = self.rows, set()
-        return EngineStep([], [StepOutput(r, [3], [-0.5], self.reason) for r in sorted(done)])
+        ended = [StepOutput(r, [3], [-0.5], self.reason) for r in sorted(done)]
+        return EngineStep([], ended, self.finished_at)
 
 
 @pytest.fixture
@@ -132,6 +135,27 @@ def test_rows_added_in_a_batch_leave_through_the_feed_one_message_per_step(scrip
         return sorted(request_id for request_id, _ in batch.finished)
 
     assert asyncio.run(run()) == ["b0", "b1", "b2"]
+
+
+@pytest.mark.parametrize("stamped", [True, False])
+def test_a_step_s_message_is_timed_from_the_engine_s_own_stamp_where_it_has_one(scripted, stamped):
+    """Delivery is measured from when the engine finished the step (vLLM stamps its core
+    outputs before it builds any output), not from when the loop got round to pushing."""
+    stamp = time.time() - 0.25
+    scripted.engine.finished_at = stamp if stamped else None
+
+    async def run() -> float:
+        await scripted.add_rows([RowRequest("t0", [1, 2], {})])
+        batch = await scripted.feed.take()
+        assert batch is not None and [r for r, _ in batch.finished] == ["t0"]
+        return batch.ended
+
+    before = time.time()
+    ended = asyncio.run(run())
+    if stamped:
+        assert ended == stamp
+    else:
+        assert before <= ended <= time.time()  # taken as the loop pushed
 
 
 def test_a_row_cut_short_keeps_the_tokens_it_had_and_says_abort(loop):

@@ -299,7 +299,7 @@ class EngineLoop:
             self._fit_threads()
         started = time.perf_counter()
         try:
-            deltas, ended = self.engine.step()
+            deltas, ended, finished_at = self.engine.step()
         except Exception as exc:
             logger.exception("vLLM engine step failed")
             self._failure = (
@@ -312,7 +312,7 @@ class EngineLoop:
         self._step_out.deltas.extend([d for d in deltas if d.request_id in pending])
         for step in ended:
             self._record(step)
-        self._flush(time.perf_counter() - started)
+        self._flush(time.perf_counter() - started, finished_at)
 
     def _fit_threads(self) -> None:
         """Set the step's forward-pass threads: ``wide_threads`` while at least ``WIDE_ROWS``
@@ -329,10 +329,11 @@ class EngineLoop:
             torch._C.set_num_threads(threads)
             self._threads_now = threads
 
-    def _flush(self, step_seconds: float | None = None) -> None:
-        """Hand what the step (or command) produced to ``feed``, in one push."""
+    def _flush(self, step_seconds: float | None = None, finished_at: float | None = None) -> None:
+        """Hand what the step (or command) produced to ``feed``, in one push; ``finished_at``:
+        when the engine finished the step (None: now)."""
         out, self._step_out = self._step_out, StepBatch()
-        self.feed.push(out.deltas, out.finished, out.failed, step_seconds, HAND_OVER_S)
+        self.feed.push(out.deltas, out.finished, out.failed, step_seconds, HAND_OVER_S, finished_at)
 
     def _record(self, step: StepOutput) -> None:
         pending = self._pending.get(step.request_id)

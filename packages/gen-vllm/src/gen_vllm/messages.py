@@ -155,9 +155,10 @@ class StepBatch:
         deltas: new tokens of the rows that stream, in step order.
         finished: each row that ended, with its whole result.
         failed: each row that ended without one.
-        ended: when the batch's last step ended (``time.time()``, comparable across the
-            machines of a cluster whose clocks are synchronised): what the driver measures
-            its delivery from.
+        ended: when the engine finished the batch's last step, as vLLM stamps its core
+            outputs before it builds any output from them (``time.time()``, comparable across
+            the machines of a cluster whose clocks are synchronised): what the driver measures
+            its delivery from, the point bare vLLM's own delivery is measured from too.
         steps: engine steps since the previous batch, and ``step_seconds`` the time they took:
             how busy the engine is, beside how long delivery takes.
     """

@@ -55,12 +55,14 @@ class StepFeed:
         failed: Sequence[RowFailure] = (),
         step_seconds: float | None = None,
         hand_over_s: float = 0.0,
+        finished_at: float | None = None,
     ) -> None:
         """Add one step's output (from any thread but the reader's) and wake the waiting
         reader. ``step_seconds``: the step took that long (counted; None: not a step).
         ``hand_over_s``: when a reader was waiting, wait up to that long for it to take this
-        batch and come back for the next (see the module)."""
-        ended = time.time()
+        batch and come back for the next (see the module). ``finished_at``: when the engine
+        finished the step (``time.time()``; None: now), the batch's ``ended``."""
+        ended = time.time() if finished_at is None else finished_at
         with self._lock:
             if step_seconds is not None:
                 self._batch.steps += 1
