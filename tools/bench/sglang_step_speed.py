@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench/sglang_step_speed.py [--model bench-step] [--batches 1,64]
         [--pairs 5] [--new 16,128] [--prompt 8,96] [--timeout 300] [--json FILE]
-        [--plain-threads sglang|ours]
+        [--plain-threads sglang|ours] [--chunk-tokens N]
 
 On a testkit model (``bench-step``, the default: the Llama of hidden 128 whose decode step over
 64 rows takes a GPU's order of time on two cores; ``bench-50m`` for the older, slow-step model),
@@ -10,9 +10,10 @@ two SGLang servers from the same SGLang environment, side by side, both on 127.0
 port:
 
 - ``ours``: ``SglangGeneration.generate`` (the backend in this process, driving the server it
-  started: one streamed ``/generate`` for the call's rows, every sampled row chosen inside the
-  server by ``RowSampler``, gen-sglang's logit processor, from a generator seeded with the
-  row's seed, each token's logprob and weight version reported);
+  started: one streamed ``/generate`` for the call's rows, each row's tokens in chunks of
+  ``sglang_cfg.chunk_tokens`` (``--chunk-tokens``; 16 by default), every sampled row chosen
+  inside the server by ``RowSampler``, gen-sglang's logit processor, from a generator seeded
+  with the row's seed, each token's logprob and weight version reported);
 - ``sglang``: a plain server started with the very arguments and environment gen-sglang starts
   its own with (``gen_sglang.server_args``), less ``--enable-custom-logit-processor`` and, by
   default, less gen-sglang's thread count (``sglang_cfg.cpu_threads``: every core but one), so
@@ -65,6 +66,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every run's figures here")
     parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        help="gen-sglang's sglang_cfg.chunk_tokens (default: its own, 16): tokens per chunk of "
+        "a row's stream when the call does not stream tokens",
+    )
+    parser.add_argument(
         "--plain-threads",
         choices=("sglang", "ours"),
         default="sglang",
@@ -112,8 +119,11 @@ def workload(args: argparse.Namespace, batch: int, vocab: int) -> Work:
 class Ours:
     """``SglangGeneration`` with one server, sampled rows, raw logprobs."""
 
-    def __init__(self, model: str, high: int):
-        self.backend: Any = create_generation_backend(sampled_config("sglang", model, high))
+    def __init__(self, model: str, high: int, chunk_tokens: int | None = None):
+        extra = {"sglang_cfg": {"chunk_tokens": chunk_tokens}} if chunk_tokens else {}
+        self.backend: Any = create_generation_backend(
+            sampled_config("sglang", model, high, **extra)
+        )
 
     def run(self, work: Work) -> tuple[float, int]:
         batch = _batch(work)
@@ -188,7 +198,7 @@ def measure(args: argparse.Namespace) -> list[Figure]:
     model = build_tiny_model(args.model)
     high = int(args.new.split(",")[1])
     print(f"{args.model}: starting gen-sglang and a plain SGLang server", flush=True)
-    ours = Ours(str(model.path), high)
+    ours = Ours(str(model.path), high, args.chunk_tokens)
     figures = []
     try:
         plain = Plain(ours, args.timeout, args.plain_threads)

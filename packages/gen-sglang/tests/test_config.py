@@ -37,6 +37,7 @@ class TestSglangConfigSchema(ConfigSchemaChecks):
             "healing": st.booleans(),
             "max_replica_restarts": st.integers(0, 100),
             "wedge_timeout_s": st.floats(0.1, 10**4),
+            "chunk_tokens": st.integers(1, 1024),
         },
     }
     valid[""]["sglang_cfg"] = st.fixed_dictionaries({}, optional=valid["sglang_cfg"])

@@ -85,6 +85,7 @@ class SglangGeneration(GenerationBackend):
         self._device = _resolve_device(settings["device"])
         self._kv_bytes_per_token = kv_bytes_per_token(model_dir, dtype)
         self.context_length = settings["context_length"] or self._facts.context_length
+        self._chunk_tokens = settings["chunk_tokens"]
         self._client = FleetClient(self._fleet_, settings["timeout_s"])
         self._router = RowRouter(self._fleet_)
         self._servers: list[SglangServer] = []
@@ -183,7 +184,12 @@ class SglangGeneration(GenerationBackend):
                 rid = uuid.uuid4().hex
                 bodies.append(
                     generate_body(
-                        prompts[index], row, max_new_tokens=budget, processed=processed, rid=rid
+                        prompts[index],
+                        row,
+                        max_new_tokens=budget,
+                        processed=processed,
+                        rid=rid,
+                        chunk_tokens=1 if control.on_token is not None else self._chunk_tokens,
                     )
                 )
                 stops = frozenset(row.stop_token_ids)

@@ -38,6 +38,10 @@ class SglangSettings(TypedDict, total=False):
     # healing: a server with requests streaming that sends nothing on any of them this long
     # (outside weight updates) is wedged: killed, its rows run again, replaced (30)
     wedge_timeout_s: float
+    # a call that does not stream tokens (generate, generate_async) gets each row from its
+    # server in chunks of this many tokens, besides the first and the last: fewer messages,
+    # and a cancelled call's rows may run that many steps longer (16; 1: every token)
+    chunk_tokens: int
 
 
 #: Defaults for every ``sglang_cfg`` key.
@@ -58,6 +62,7 @@ SGLANG_CFG_DEFAULTS: SglangSettings = {
     "healing": True,
     "max_replica_restarts": 16,
     "wedge_timeout_s": 30.0,
+    "chunk_tokens": 16,
 }
 
 
@@ -113,6 +118,7 @@ def complete_sglang_config(config: Mapping[str, Any]) -> SglangConfig:
         if not isinstance(cfg[key], bool):
             raise GenerationConfigError(f"sglang_cfg.{key} must be true or false, got {cfg[key]!r}")
     check_int_setting(cfg, "sglang_cfg", "max_replica_restarts", minimum=0)
+    check_int_setting(cfg, "sglang_cfg", "chunk_tokens")
     if cfg["load_format"] not in ("auto", "dummy"):
         raise GenerationConfigError(
             f"sglang_cfg.load_format must be 'auto' or 'dummy', got {cfg['load_format']!r}"

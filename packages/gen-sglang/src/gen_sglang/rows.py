@@ -44,12 +44,21 @@ CHOICE_KEY = "gen_sglang_choice"
 
 
 def generate_body(
-    prompt: Sequence[int], row: RowSampling, *, max_new_tokens: int, processed: bool, rid: str
+    prompt: Sequence[int],
+    row: RowSampling,
+    *,
+    max_new_tokens: int,
+    processed: bool,
+    rid: str,
+    chunk_tokens: int = 1,
 ) -> dict[str, Any]:
     """The streamed ``/generate`` request of one row; ``max_new_tokens`` is the row's, cut to
-    what the context leaves; ``rid`` names the request (to abort it)."""
+    what the context leaves; ``rid`` names the request (to abort it); ``chunk_tokens``: SGLang
+    sends a chunk once that many of the row's tokens are unsent (and at its first token and its
+    end)."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
+        "stream_interval": chunk_tokens,
         "stop_token_ids": list(row.stop_token_ids),
         "ignore_eos": False,  # the server's model names no eos (``serving_dir``)
         "no_stop_trim": True,
@@ -208,8 +217,11 @@ class RowStream:
         reason = self.finish.get("type")
         if reason == "abort" and self.finish.get("message") not in (None, "Aborted"):
             reason = f"abort ({self.finish.get('message')})"  # an error, not a weight update
+        # SGLang's spans, at the row's end, cover every token it generated (more than this row
+        # keeps when it ran past a stop token); without them (the row ended here, not in
+        # SGLang), each chunk's label, which a chunk of several tokens shares
         versions = _token_versions(self.meta.get("weight_versions"), len(self.token_ids))
-        if not versions or self.stopped_here:  # SGLang's spans cover what it generated
+        if not versions:
             versions = self.versions
         started = versions[0] if versions else _version(self.meta.get("weight_version"))
         return RowResult.ended(
@@ -281,8 +293,9 @@ def _version(label: Any) -> int:
 
 
 def _token_versions(spans: Any, count: int) -> list[int]:
-    """Each token's weight version from SGLang's ``weight_versions`` spans."""
+    """The weight version of each of the first ``count`` tokens from SGLang's
+    ``weight_versions`` spans; nothing when they cover fewer."""
     out: list[int] = []
     for span in spans or []:
         out.extend([_version(span["version"])] * (int(span["end"]) - int(span["start"])))
-    return out if len(out) == count else []
+    return out[:count] if len(out) >= count else []
