@@ -378,7 +378,7 @@ def _sampled(
         return [], ([] if k else None), ([] if k else None)
     starts, values, ids = flat.start_indices, flat.logprobs, flat.token_ids
     # Every position holds 1 + k entries (vLLM's usual layout): whole-list slices and one
-    # comparison, not a lookup per position (64 rows of 128 tokens: 1.3 ms less at their end).
+    # comparison, not a lookup per position (64 rows of 128 tokens: 0.3 ms less at their end).
     width, count = 1 + k, len(tokens) - first
     if (
         len(ids) == width * count
