@@ -58,6 +58,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 import torch
 from gen_interface import BatchedDataDict
 from gen_testkit.models import build_tiny_model
+from gen_vllm.delivery import DeliveryTimes
 from gen_vllm.engine_loop import WIDE_ROWS
 from gen_vllm.worker import engine_threads
 from quiet import wait_until_quiet
@@ -154,14 +155,14 @@ class LoopThread:
 
 class Bare:
     """vLLM's own engines: ``LLM`` for whole calls, ``AsyncLLM`` for rows and tokens; each
-    records its own delivery (``deliveries``: seconds from a step's stamp to where its rows'
-    tokens or results reach the caller, for the last run)."""
+    records its own delivery (``deliveries``, gen-vllm's ``DeliveryTimes``: seconds from a
+    step's stamp to where its rows' tokens or results reach the caller, for the last run)."""
 
     def __init__(self, model: str, modes: list[str]):
         from vllm import LLM, AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.deliveries: list[float] = []
+        self.deliveries = DeliveryTimes("bare")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(model=model, skip_tokenizer_init=True, **_ENGINE)
         self._time_llm_steps(self.llm.llm_engine)
@@ -192,7 +193,7 @@ class Bare:
         def timed_step() -> Any:
             outputs = step()
             if outputs:
-                self.deliveries.append(time.monotonic() - stamp[0])
+                self.deliveries.record(time.monotonic() - stamp[0])
             return outputs
 
         fetch = core.get_output
@@ -234,7 +235,7 @@ class Bare:
             )
             for i in range(len(prompts))
         ]
-        self.deliveries = []
+        self.deliveries.clear()
         if mode == "generate":
             self.llm.reset_prefix_cache()
             start = time.perf_counter()
@@ -248,8 +249,8 @@ class Bare:
 
     def delivery(self) -> tuple[float, float]:
         """The last run's delivery p50 and p99, in seconds."""
-        ordered = sorted(self.deliveries)
-        return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, len(ordered) * 99 // 100)]
+        times = self.deliveries.snapshot()
+        return times["bare_seconds_p50"], times["bare_seconds_p99"]
 
     def close(self) -> None:
         if self.loop is not None:
@@ -265,12 +266,12 @@ async def _run_async(
     prompts: list[list[int]],
     params: list[Any],
     stamps: dict[str, float],
-    deliveries: list[float],
+    deliveries: DeliveryTimes,
 ) -> float:
     async def one(prompt: list[int], p: Any) -> None:
         request_id = uuid.uuid4().hex
         async for _ in engine.generate({"prompt_token_ids": prompt}, p, request_id):
-            deliveries.append(time.monotonic() - stamps[request_id])
+            deliveries.record(time.monotonic() - stamps[request_id])
         del stamps[request_id]
 
     start = time.perf_counter()
